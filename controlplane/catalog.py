@@ -317,6 +317,30 @@ class Catalog:
         regions = (await self.snapshot()).regions
         return rtt_warnings({r.name: [other for other, _ in r.rtt_ms] for r in regions})
 
+    async def continuing_kinds(self) -> list[tuple[str, str]]:
+        """(name, server kind as last probed) of each origin with
+        continuation on, in the state stored now: what
+        fleetwarnings.origin_warnings judges. Reads the origins and their
+        health only (every Admin write calls it, as fleet_warned)."""
+        origins = await _guard(self.store.list(ORIGINS))
+        health = await _guard(self.store.list(HEALTH))
+        kinds: dict[str, str] = {}
+        for kv in health.items:
+            try:
+                h = decode_health(kv.value)
+            except (ValueError, TypeError, KeyError):
+                continue  # logged where the table is compiled (snapshot)
+            kinds[h.origin] = h.server_kind
+        out = []
+        for kv in origins.items:
+            try:
+                o = decode_origin(kv.value)
+            except (ValueError, TypeError, KeyError):
+                continue
+            if o.continuation:
+                out.append((o.name, kinds.get(o.name, "")))
+        return out
+
     # ------------------------------------------------------------ origins
 
     async def put_origin(

@@ -62,6 +62,7 @@ from controlplane.errors import (
     MAY_HAVE_BEEN_MADE,
     InvalidArgument,
 )
+from controlplane.load import NO_CONTINUATION
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
     DEFAULT_WEIGHT,
@@ -209,7 +210,17 @@ def _read_and_write(attempt: Callable[[], R]) -> R:
 
 
 def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
-    header = ["NAME", "REGION", "URL", "MODELS", "WEIGHT", "DRAINED", "HEALTHY", "INFLIGHT"]
+    header = [
+        "NAME",
+        "REGION",
+        "URL",
+        "MODELS",
+        "WEIGHT",
+        "DRAINED",
+        "HEALTHY",
+        "SERVER",
+        "INFLIGHT",
+    ]
     now = time.time()
     ejected = {
         e.origin: describe_ejection(
@@ -234,12 +245,42 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             str(o.weight),
             "yes" if o.drained else "no",
             _health(o, ejected.get(o.name, "")),
-            f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else ""),
-            "off" if o.no_continuation else "on",
+            o.server_kind or "-",
+            _inflight(o),
+            _continuation(o),
         ]
         for o in resp.origins
     ]
     return [*header, "CONTINUATION"], rows
+
+
+def _inflight(o: pb.Origin) -> str:
+    """An origin's requests in flight of its capacity, as the probes last
+    read them; said to be unknown when no load figures were read (trial 66:
+    a llama.cpp origin with 8 in flight read 0/4, as an idle one does)."""
+    capacity = f"/{o.capacity}" if o.capacity else ""
+    if o.inflight_unknown:
+        return f"?{capacity} (no load metrics)"
+    return f"{o.inflight:g}{capacity}"
+
+
+def _origins_shown(data: dict[str, Any]) -> dict[str, Any]:
+    """`get origins -o json`: each origin's inflight, null where it was not
+    measured (a zero is left out by the proto mapping, and a script would
+    read an absent one as 0 either way)."""
+    for o in data.get("origins", []):
+        o["inflight"] = None if o.get("inflight_unknown") else o.get("inflight", 0)
+    return data
+
+
+def _continuation(o: pb.Origin) -> str:
+    """Whether the origin takes continuations, and whether its server (as
+    probed) can: `-o json` and every write's warnings say the rest."""
+    if o.no_continuation:
+        return "off"
+    if o.server_kind in NO_CONTINUATION:
+        return f"on, but {o.server_kind} cannot continue: set it off"
+    return "on"
 
 
 def _health(o: pb.Origin, ejected: str) -> str:
@@ -1584,7 +1625,7 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
     for r in t.regions:
         rows.append([r.name, "drained" if r.drained else "serving", "", "", ""])
         for o in (o for o in t.origins if o.region == r.name):
-            load = f"{o.inflight:g}" + (f"/{o.capacity}" if o.capacity else "")
+            load = _inflight(o)
             health = "healthy" if o.healthy else f"unhealthy ({o.health_detail or '?'})"
             state = "drained" if o.drained else "serving"
             rows.append([f"  {o.name}", state, health, load, ",".join(o.models)])
@@ -2037,7 +2078,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             shown = render(regions, args.output, lambda r: _rows_regions(r, origins))
             return "\n".join([shown, *_region_notes(regions.regions, origins)])
         if args.kind == "origins":
-            return render(stub.ListOrigins(req), args.output, _rows_origins)
+            return render(stub.ListOrigins(req), args.output, _rows_origins, _origins_shown)
         if args.kind == "tenants":
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)

@@ -7,16 +7,25 @@ applied the table may still be unable to use part of it (a tenant's JWT config
 it could not load: that tenant's JWTs are answered 503 there). Both come back
 with every write's reply until they are fixed (the Admin API, `pontoctl`), so
 the operator hears of them when acting, not only from `pontoctl get proxies`
-or an alert. Pure: the caller reads the proxies.
+or an alert. So does an origin whose server cannot continue a stream with
+continuation on (origin_warnings): each cut stream it serves would be spliced
+into a garbled answer. Pure: the caller reads the proxies and origins.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from controlplane.load import continuation_warning
 from controlplane.model import ProxyRecord
 
-__all__ = ["MAX_NAMED_PROXIES", "conflict_warning", "fleet_warnings", "proxy_warnings"]
+__all__ = [
+    "MAX_NAMED_PROXIES",
+    "conflict_warning",
+    "fleet_warnings",
+    "origin_warnings",
+    "proxy_warnings",
+]
 
 # A fleet may have hundreds of proxies refusing the same table: one warning per
 # reason, naming the first few.
@@ -51,6 +60,14 @@ def fleet_warnings(proxies: Iterable[ProxyRecord]) -> tuple[str, ...]:
     for warning, names in reported.items():
         out.append(f"{_named(names)} {'report' if len(names) > 1 else 'reports'}: {warning}")
     return (*out, *conflicts)
+
+
+def origin_warnings(continuing: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """One warning per origin with continuation on whose server, as last
+    probed, cannot continue (controlplane.load.NO_CONTINUATION); `continuing`:
+    (name, server kind) of the origins with continuation on."""
+    found = (continuation_warning(name, kind) for name, kind in sorted(continuing))
+    return tuple(w for w in found if w)
 
 
 def conflict_warning(p: ProxyRecord) -> str:

@@ -71,7 +71,8 @@ from controlplane.errors import (
     Unavailable,
 )
 from controlplane.fleetstate import unknown_why
-from controlplane.fleetwarnings import fleet_warnings, proxy_warnings
+from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
+from controlplane.load import continuation_warning
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
@@ -431,7 +432,12 @@ class StatusWeb:
             # read "no proxy in this region" while it served).
             "departed": departed_rows(self._departures.gone(), replica_ids, now),
             # What every Admin write warns of while it lasts (fleetwarnings).
-            "fleet_warnings": list(fleet_warnings(proxies)),
+            "fleet_warnings": [
+                *fleet_warnings(proxies),
+                *origin_warnings(
+                    (o.name, o.server_kind) for o in table.origins if not o.no_continuation
+                ),
+            ],
             "tenants": [
                 _tenant_row(name, tenant, tenant_limits.get(name))
                 for name, tenant in sorted(rates.tenants.items())
@@ -757,7 +763,10 @@ def _connection(p: ProxyRecord) -> str:
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> dict[str, Any]:
     # The live scrape's requests when there is one: the table's figure is
     # written at most every few seconds, and one row showed both (trial 33).
-    inflight = load.running + load.waiting if load else o.inflight
+    # None when no load figures were read: a 0 there looked measured (trial
+    # 66: a llama.cpp origin with 8 in flight read "0 / 4 (0%)").
+    inflight = load.running + load.waiting if load else None if o.inflight_unknown else o.inflight
+    warning = "" if o.no_continuation else continuation_warning(o.name, o.server_kind)
     return {
         "name": o.name,
         "healthy": o.healthy,
@@ -768,14 +777,19 @@ def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> 
         "drained": o.drained,
         "inflight": inflight,
         "capacity": o.capacity,
-        "load": inflight / o.capacity if o.capacity else None,
+        "load": inflight / o.capacity if o.capacity and inflight is not None else None,
         "models": list(o.models),
-        # From the vLLM gauges, when the origin exposes them; None otherwise.
+        # The server its metrics page shows (controlplane.load.KINDS); None
+        # until a page was read.
+        "server": o.server_kind or None,
+        # From the server's load figures, when it exposes them; None otherwise.
         "running": load.running if load else None,
         "waiting": load.waiting if load else None,
         "kv_cache_usage": load.kv_cache_usage if load and load.kv_cache_usage >= 0 else None,
         # Prefix-cache hits over lookups since the scrape before (tokens).
         "prefix_hit_rate": load.prefix_hit_rate if load and load.prefix_hit_rate >= 0 else None,
+        # Continuation on, on a server that cannot continue ("": none).
+        "continuation_warning": warning,
     }
 
 
@@ -798,7 +812,10 @@ def _region_row(
     `ejected`: origin -> what the proxies' passive health says of it."""
     ejected = ejected or {}
     rows = [_origin_row(o, loads.get(o.name), ejected.get(o.name, "")) for o in origins]
-    serving = [row for row in rows if row["healthy"] and not row["drained"]]
+    # Origins whose load is not read count for neither (as compile does).
+    serving = [
+        row for row in rows if row["healthy"] and not row["drained"] and row["inflight"] is not None
+    ]
     capacity = sum(row["capacity"] for row in serving)
     return {
         "name": r.name,

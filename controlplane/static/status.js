@@ -151,15 +151,24 @@ function originState(o) {
 }
 
 function originLoad(o) {
-  const parts = [o.capacity
-    ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
-    : `${o.inflight.toFixed(0)} in flight`];
+  // No figures read (trial 66: "0 / 4 (0%)" on a busy llama.cpp origin
+  // looked like a scraped idle one).
+  const unread = o.server && o.server !== "unknown"
+    ? `no load metrics from ${o.server}` : "no load metrics";
+  const parts = [o.inflight === null || o.inflight === undefined
+    ? (o.capacity ? `${unread} (capacity ${o.capacity})` : unread)
+    : o.capacity
+      ? `${o.inflight.toFixed(0)} / ${o.capacity} (${percent(o.load)})`
+      : `${o.inflight.toFixed(0)} in flight`];
   if (o.waiting) parts.push(`${o.waiting.toFixed(0)} queued`);
   if (o.kv_cache_usage !== null && o.kv_cache_usage !== undefined) {
     parts.push(`KV ${percent(o.kv_cache_usage)}`);
   }
   if (o.prefix_hit_rate !== null && o.prefix_hit_rate !== undefined) {
     parts.push(`prefix hits ${percent(o.prefix_hit_rate)}`);
+  }
+  if (o.server && o.server !== "unknown" && o.inflight !== null && o.inflight !== undefined) {
+    parts.push(o.server);
   }
   return parts.join(" · ");
 }
@@ -185,7 +194,9 @@ function renderRegions(regions, departed) {
         !o.healthy && o.detail ? el("span", { class: "why" }, o.detail) : null,
         // What the proxies saw of its requests, which probes of /health miss.
         o.ejected ? el("span", { class: "why failing" }, o.ejected) : null),
-      el("td", { title: o.detail }, originLoad(o)),
+      el("td", { title: o.detail }, originLoad(o),
+        o.continuation_warning
+          ? el("span", { class: "why failing" }, o.continuation_warning) : null),
       el("td", {}, actionButton("origins", o.name, o.drained))));
     // The map marker's state, in words (trial 27: "serving" with every origin down).
     const state = regionState(r);

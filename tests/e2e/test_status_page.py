@@ -571,6 +571,33 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
     assert fills["idle"] == "rgb(255, 255, 255)" != fills["drained"]
 
 
+def test_an_origin_whose_load_is_not_read_says_so_not_zero(page: webdriver.Chrome) -> None:
+    """Trial 66: a llama.cpp origin with 8 in flight read "0 / 4 (0%)", as a
+    scraped idle one does; and nothing said its continuation would garble."""
+    region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
+    origin = cast(list[dict[str, object]], region["origins"])[0]
+    base = {**origin, "healthy": True, "detail": "", "capacity": 4}
+    idle = {**base, "name": "o-idle", "inflight": 0, "load": 0, "server": "vllm"}
+    unread = {**base, "name": "o-unread", "inflight": None, "server": "unknown"}
+    # An SGLang page without its request gauges.
+    sglang = {**base, "name": "o-sglang", "inflight": None, "server": "sglang"}
+    warning = "origin o-tgi is a TGI, which cannot continue a partial answer: ..."
+    tgi = {**base, "name": "o-tgi", "inflight": 2, "load": 0.5, "server": "tgi",
+           "continuation_warning": warning}  # fmt: skip
+    cells = page.execute_script(
+        "render(arguments[0]);"
+        "return Array.from(document.querySelectorAll('article.region tr[data-origin]'),"
+        " (tr) => [tr.dataset.origin, tr.children[2].textContent]);",
+        {**FAKE_STATUS, "regions": [{**region, "origins": [idle, unread, sglang, tgi]}]},
+    )
+    assert cells == [
+        ["o-idle", "0 / 4 (0%) · vllm"],
+        ["o-unread", "no load metrics (capacity 4)"],
+        ["o-sglang", "no load metrics from sglang (capacity 4)"],
+        ["o-tgi", f"2 / 4 (50%) · tgi{warning}"],
+    ]
+
+
 def test_an_unknown_region_rate_is_a_dash_with_the_reason(page: webdriver.Chrome) -> None:
     region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
     rates = {

@@ -15,10 +15,12 @@ from typing import Any
 import grpc
 import pytest
 
+from controlplane.catalog import Catalog
 from controlplane.cli import main as pontoctl
 from controlplane.model import (
     MAX_NAMED_MODELS,
     Origin,
+    OriginHealth,
     PromptPolicy,
     Region,
     Tenant,
@@ -209,6 +211,29 @@ async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> 
         assert await warned(stub.DrainOrigin(apb.DrainRequest(name="o-eu", drained=False))) == [
             UNROUTED.replace("o-us", "o-eu").replace(" us", " eu")
         ]
+
+
+async def test_every_write_warns_of_an_origin_that_cannot_continue_with_continuation_on() -> None:
+    """Trial 66: TGI and llama.cpp take no continuation request; a cut stream
+    continued there is spliced into a garbled answer, and nothing said so."""
+    store = MemoryStore()
+    async with admin(store) as stub:
+        await seed(stub)
+        assert await warned(stub.DrainRegion(apb.DrainRequest(name="eu", drained=True))) == []
+        # The probes find o-eu is a llama.cpp server.
+        await Catalog(store).put_health(OriginHealth("o-eu", True, server_kind="llamacpp"))
+        undrain = apb.DrainRequest(name="eu", drained=False)
+        [warning] = await warned(stub.DrainRegion(undrain))
+        assert warning.startswith("origin o-eu is a llama.cpp server, which cannot continue")
+        assert warning.endswith("run `pontoctl origin add o-eu --update --continuation off`")
+        # The fix is warned of nothing, and so is every write after it.
+        o = ORIGINS[1]
+        spec = apb.OriginSpec(
+            name=o.name, base_url=o.base_url, region=o.region, models=o.models, continuation="off"
+        )
+        fix = apb.PutOriginRequest(origin=spec, allow_update=True)
+        assert await warned(stub.PutOrigin(fix)) == []
+        assert await warned(stub.DrainRegion(undrain)) == []
 
 
 async def test_a_drain_stands_when_its_models_cannot_be_checked(

@@ -28,7 +28,7 @@ from controlplane.catalog import (
 from controlplane.cli import _rows_proxies
 from controlplane.distribute import Publisher
 from controlplane.errors import Superseded
-from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings
+from controlplane.fleetwarnings import MAX_NAMED_PROXIES, fleet_warnings, origin_warnings
 from controlplane.model import ProxyRecord, encode
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
@@ -422,3 +422,21 @@ async def test_a_warning_many_proxies_report_is_written_once() -> None:
     listed = {p.name: p.warnings for p in await catalog.list_proxies()}
     assert listed["p0"] == (AUTH, "only p0's")
     assert listed["p99"] == (AUTH,)  # its own one is past the bound
+
+
+def test_origins_whose_servers_cannot_continue_are_one_warning_each() -> None:
+    """Only a known TGI or llama.cpp server with continuation on: vLLM and
+    SGLang continue; a server not known (no page read, or none Ponto reads)
+    is not guessed at."""
+    continuing = [
+        ("tgi-1", "tgi"),
+        ("gpu-1", "vllm"),
+        ("llama-1", "llamacpp"),
+        ("sg-1", "sglang"),
+        ("x", "unknown"),
+        ("y", ""),
+    ]
+    warnings = origin_warnings(continuing)
+    assert [w.split(" ")[1] for w in warnings] == ["llama-1", "tgi-1"]
+    assert all("--update --continuation off" in w for w in warnings)
+    assert origin_warnings([]) == ()

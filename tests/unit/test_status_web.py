@@ -700,6 +700,60 @@ async def test_origins_show_the_leaders_latest_vllm_figures(plane: Plane) -> Non
     assert regions["eu-west"]["origins"][0]["running"] is None  # nothing scraped yet
 
 
+async def republish(plane: Plane) -> None:
+    """Publish the table of the catalog now, as the next version."""
+    latest = plane.publisher.latest
+    version = latest.table.version + 1 if latest else 1
+    table = compile_table(await plane.catalog.snapshot())
+    table.version, table.etag = version, f"e{version}"
+    plane.publisher.publish(table)
+
+
+async def test_an_origin_whose_load_is_not_read_says_so_not_zero(plane: Plane) -> None:
+    """Trial 66: a llama.cpp origin with 8 in flight read "0 / 4 (0%)" and
+    `inflight 0.0 load 0.0`, as a scraped idle one does."""
+    await plane.catalog.put_health(
+        OriginHealth("o-eu", healthy=True, server_kind="unknown", inflight_unknown=True)
+    )
+    await republish(plane)
+    async with TestClient(TestServer(web_of(plane).app())) as c:
+        status = await (await c.get("/api/status")).json()
+    regions = {r["name"]: r for r in status["regions"]}
+    (eu,) = regions["eu-west"]["origins"]
+    assert (eu["inflight"], eu["load"], eu["server"]) == (None, None, "unknown")
+    assert eu["capacity"] == 10
+    assert regions["eu-west"]["load"] is None  # no origin there whose load is read
+    # A live scrape of it is its load again.
+    live = pb.OriginLoads(generation=1, loads=[pb.OriginLoad(origin="o-eu", running=2)])
+    regions = {
+        r["name"]: r for r in (await web_of(plane, loads=lambda: live).status(0.0))["regions"]
+    }
+    assert regions["eu-west"]["origins"][0]["inflight"] == 2
+
+
+async def test_an_origin_that_cannot_continue_with_continuation_on_is_warned_of(
+    plane: Plane,
+) -> None:
+    await plane.catalog.put_health(OriginHealth("o-eu", healthy=True, server_kind="tgi"))
+    await republish(plane)
+    status = await web_of(plane).status(plane.clock.now)
+    (eu,) = {r["name"]: r for r in status["regions"]}["eu-west"]["origins"]
+    assert eu["server"] == "tgi"
+    assert "garbled" in eu["continuation_warning"]
+    (warning,) = status["fleet_warnings"]
+    assert warning.startswith("origin o-eu is a TGI, which cannot continue a partial answer")
+    assert "pontoctl origin add o-eu --update --continuation off" in warning
+    # Off: nothing to warn of.
+    await plane.catalog.put_origin(
+        Origin("o-eu", "http://o-eu:8000/v1", "eu-west", ("m",), capacity=10, continuation=False),
+        allow_update=True,
+    )
+    await republish(plane)
+    status = await web_of(plane).status(plane.clock.now)
+    (eu,) = {r["name"]: r for r in status["regions"]}["eu-west"]["origins"]
+    assert eu["continuation_warning"] == "" and status["fleet_warnings"] == []
+
+
 def test_http_listen_is_off_by_default_and_checked() -> None:
     assert parse([]).http_listen == ""
     assert parse(["--http-listen", "0.0.0.0:8080"]).http_listen == "0.0.0.0:8080"
