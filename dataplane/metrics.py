@@ -477,6 +477,16 @@ class Metrics:
             ["origin"],
             registry=r,
         )
+        self.usage_rejected = Counter(
+            "ponto_origin_usage_rejected",
+            "Answers whose usage the proxy did not believe, by origin and reason: invalid "
+            "(a count negative or no integer), past_max_tokens (a completion past the "
+            "request's max_tokens x n: clamped to it), past_answer (a completion far past "
+            "what the answer holds), past_request (a prompt far past what the request "
+            "holds); the proxy's own count or estimate stood instead (docs/rate-limits.md)",
+            ["origin", "reason"],
+            registry=r,
+        )
         self.commit_time = Histogram(
             "ponto_upstream_time_to_commit_seconds",
             "Origin attempts from the request sent to the answer committed to (a stream's "

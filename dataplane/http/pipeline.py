@@ -86,6 +86,8 @@ from dataplane.streaming.usage import (
     Usage,
     UsageCounter,
     asks_usage,
+    believed,
+    ceilings,
     for_unasked,
     usage_of,
     with_usage_asked,
@@ -95,6 +97,7 @@ from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
 from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
 from dataplane.upstream.stalls import Stalls
+from ponto.logs import Throttled
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace, RequestTracer
@@ -319,6 +322,9 @@ class Pipeline:
         # Flights' tasks whose leading client left (Pipeline.lead): kept until
         # they end, cancelled by `close`.
         self._detached: set[asyncio.Task[web.StreamResponse]] = set()
+        # Per origin: an origin whose usage is not believed is told at most
+        # once a minute (an origin that lies does so on every answer).
+        self._unbelieved: dict[str, Throttled] = {}
 
     async def close(self) -> None:
         """Stop the flights still relaying for followers after their leading
@@ -762,7 +768,10 @@ class Pipeline:
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
             if not parsed:
                 obj = jsonio.loads_or_none(body)
-            ex.usage = usage_of(obj)
+            # A whole answer's completion estimate: about four bytes a token.
+            ex.usage = self.believe(
+                ex, origin.target.name, usage_of(obj), len(body), len(body) // 4
+            )
         elif origin.status < 500 and not origin.others_worked:
             # The origin refused the request (a prompt past its context, its
             # own limit): it did no work, so the prompt's estimate is given
@@ -1004,6 +1013,14 @@ class Pipeline:
                 ex.continued = resume.count
                 if resume.count:
                     ex.origin, ex.region = resume.origin, resume.region
+            # Before anything reads it (settlement, a leaving client's record).
+            counter.usage = self.believe(
+                ex,
+                resume.origin if resume is not None else origin.target.name,
+                counter.usage,
+                counter.event_bytes,
+                counter.content_events,
+            )
         m = self.metrics
         name = resume.origin if resume is not None else origin.target.name
         if end.cut and resume is None:  # the hook counts the cuts it sees
@@ -1033,6 +1050,42 @@ class Pipeline:
             ex.stream_error = "stream_cut"
         await self.cache.settle_stream(ex.cache_request, plan, origin.status, end)
         return out
+
+    def believe(
+        self,
+        ex: Exchange,
+        origin: str,
+        usage: Usage | None,
+        answer_bytes: int,
+        completion_estimate: int,
+    ) -> Usage | None:
+        """`usage`, from `origin`'s answer of `answer_bytes` to `ex`, as the
+        proxy believes it (usage.believed): what settlement, budgets, metrics
+        and the access log then read. One it does not believe is counted
+        (ponto_origin_usage_rejected_total) and told, once a minute per origin."""
+        if usage is None:
+            return None
+        found, why = believed(
+            usage,
+            ceilings(ex.endpoint.name, ex.body, ex.raw, ex.estimate),
+            answer_bytes,
+            ex.estimate,
+            completion_estimate,
+        )
+        if why:
+            self.metrics.usage_rejected.labels(origin, why).inc()
+            told = self._unbelieved.get(origin)
+            if told is None:
+                told = self._unbelieved[origin] = Throttled(log, every_s=60.0)
+            told.log(
+                logging.WARNING,
+                "origin %s answered with a usage the proxy does not believe (%s: "
+                "prompt %s, completion %s); counted %d and %d instead; %s",
+                origin, why, usage.prompt_tokens if not usage.rejected else "?",
+                usage.completion_tokens if not usage.rejected else "?",
+                found.prompt_tokens, found.completion_tokens, ex.request_id,
+            )  # fmt: skip
+        return found
 
     def settle(self, ex: Exchange) -> None:
         """Give back what admission took, with the tokens actually spent, and

@@ -20,10 +20,12 @@ Responses stream always ends with a `response.completed` event whose
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from dataplane import jsonio
+from dataplane.ratelimit.tokens import completion_bound, continues_stored
 from dataplane.streaming.sse import Event
 
 
@@ -101,13 +103,24 @@ class Usage:
     # its usage says (`prompt_tokens_details.cached_tokens`, the Responses
     # API's `input_tokens_details`); None when it does not.
     cached_tokens: int | None = None
+    # Why the proxy does not believe the origin's figures (a reason of
+    # `believed`); "" when it does, or the proxy counted.
+    rejected: str = ""
 
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
+def _count(value: object) -> bool:
+    """Whether an origin's figure can be a count of tokens."""
+    return type(value) is int and value >= 0
+
+
 def _from_usage(obj: object) -> Usage | None:
+    """The origin's `usage` object read, None when it has no prompt count;
+    one whose counts cannot be counts (negative, not integers: trial 65's
+    `-5` gave tokens back) is marked rejected (INVALID), for `believed`."""
     if not isinstance(obj, dict):
         return None
     if "prompt_tokens" in obj:
@@ -116,12 +129,104 @@ def _from_usage(obj: object) -> Usage | None:
     else:  # the Responses API's names
         prompt, completion = obj.get("input_tokens"), obj.get("output_tokens", 0)
         details = obj.get("input_tokens_details")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
+    if prompt is None or completion is None:
+        return None  # not said: the proxy counts, as without usage
+    if not _count(prompt) or not _count(completion):
+        return Usage(rejected=INVALID)
+    assert isinstance(prompt, int) and isinstance(completion, int)  # _count
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt:
         cached = None
     return Usage(prompt, completion, exact=True, cached_tokens=cached)
+
+
+# Why the proxy did not believe an origin's count (the `reason` of
+# ponto_origin_usage_rejected_total; docs/rate-limits.md): a count that is none
+# (negative, not an integer), a completion past the request's own bound, or
+# far past what the answer holds, a prompt far past what the request holds.
+INVALID: Final = "invalid"
+PAST_BOUND: Final = "past_max_tokens"
+PAST_ANSWER: Final = "past_answer"
+PAST_REQUEST: Final = "past_request"
+
+# The ceilings are generous on purpose: they refuse absurd figures (trial 65:
+# 10**12 tokens, which held a tenant's budget until midnight), never honest
+# ones. A token is at least about one byte of text, so an answer's bytes bound
+# the tokens it shows; beyond those, each choice may have counted tokens it
+# does not show (a reasoning model's), up to HIDDEN_PER_CHOICE (past any
+# model's longest output).
+HIDDEN_PER_CHOICE: Final = 262_144
+# A prompt counts at most two tokens per byte of its request (JSON's quoting
+# makes bytes of text, not tokens), plus a chat template's and the origin's
+# own system prompt (PROMPT_SLACK), plus per media part (an image's URL or an
+# uploaded file's id of 50 bytes may be thousands of tokens: a tiled image,
+# a video's frames, a PDF) MEDIA_TOKENS, plus a whole context window when the
+# prompt continues one the origin stored (a Responses follow-up).
+PROMPT_SLACK: Final = 16_384
+MEDIA_TOKENS: Final = 131_072
+STORED_CONTEXT: Final = 10_000_000
+_MEDIA_MARKERS: Final = (
+    b'"image_url"',
+    b'"input_image"',
+    b'"input_audio"',
+    b'"input_file"',
+    b'"file"',
+    b'"video_url"',
+    b'"audio_url"',
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    """The most tokens a request's answer can believably count (`ceilings`)."""
+
+    prompt: int
+    completion: int | None  # the request's own bound (max_tokens x n), when stated
+    hidden: int  # completion tokens beyond the answer's bytes: HIDDEN_PER_CHOICE x n
+
+
+def ceilings(endpoint: str, body: Mapping[str, Any], raw: bytes, prompt_estimate: int) -> Ceilings:
+    """The ceilings of the answer to a request: `body` parsed from `raw`
+    (which a tenant's system prompt may have grown since: `prompt_estimate`,
+    of the body as sent, covers it). Pure; counts byte markers, parses nothing."""
+    choices = max((v for v in (body.get("n"), body.get("best_of")) if type(v) is int), default=1)
+    media = sum(raw.count(marker) for marker in _MEDIA_MARKERS)
+    prompt = 2 * (len(raw) + 4 * prompt_estimate) + PROMPT_SLACK + media * MEDIA_TOKENS
+    if continues_stored(endpoint, body):
+        prompt += STORED_CONTEXT
+    return Ceilings(prompt, completion_bound(endpoint, body), HIDDEN_PER_CHOICE * max(1, choices))
+
+
+def believed(
+    usage: Usage,
+    ceilings: Ceilings,
+    answer_bytes: int,
+    prompt_estimate: int,
+    completion_estimate: int,
+) -> tuple[Usage, str]:
+    """`usage`, an origin's, as the proxy believes it, and why it did not
+    (a reason above; "" when it did). A count that is none stands for nothing:
+    the proxy's own (`prompt_estimate`, `completion_estimate`: its count of a
+    stream, its estimate of a whole answer) stand instead. A completion past
+    the request's bound is clamped to it; one past the answer's `answer_bytes`
+    and its hidden allowance, which no honest origin sends, is the proxy's
+    estimate; so is a prompt past its ceiling. The reason is the first found."""
+    if usage.rejected:
+        return Usage(prompt_estimate, completion_estimate), usage.rejected
+    why = ""
+    prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
+    bound = ceilings.completion
+    if bound is not None and completion > bound:
+        completion, why = bound, PAST_BOUND
+    elif completion > answer_bytes + ceilings.hidden:
+        completion, why = completion_estimate, PAST_ANSWER
+    if prompt > ceilings.prompt:
+        prompt, why = prompt_estimate, why or PAST_REQUEST
+    if not why:
+        return usage, ""
+    if cached is not None:
+        cached = min(cached, prompt)
+    return Usage(prompt, completion, usage.exact, cached), why
 
 
 def _estimated(obj: object) -> bool:
@@ -200,18 +305,20 @@ class UsageCounter:
     that finished (the events that carry a finish are parsed for it).
     """
 
-    __slots__ = ("content_events", "finished", "finishes", "usage")
+    __slots__ = ("content_events", "event_bytes", "finished", "finishes", "usage")
 
     def __init__(
         self, finishes: list[bytes] | None = None, finished: set[int] | None = None
     ) -> None:
         self.content_events = 0
+        self.event_bytes = 0  # of the events' data: what bounds a believable count
         self.usage: Usage | None = None
         self.finishes = finishes
         self.finished = finished
 
     def event(self, ev: Event) -> None:
         data = ev.data
+        self.event_bytes += len(data)
         if b'"usage"' in data and b'"usage":null' not in data and b'"usage": null' not in data:
             obj = jsonio.loads_or_none(data)
             found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
@@ -228,8 +335,9 @@ class UsageCounter:
                 finished.update(_finished_choices(data))
 
     def result(self, prompt_estimate: int) -> Usage:
-        """The origin's own count if it sent one, else the estimate and the events."""
-        if self.usage is not None:
+        """The origin's own count if it sent one (as it sent it: `believed`
+        judges it), else the estimate and the events."""
+        if self.usage is not None and not self.usage.rejected:
             return self.usage
         return Usage(prompt_estimate, self.content_events)
 

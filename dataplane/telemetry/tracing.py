@@ -688,7 +688,7 @@ def _entry_usage(entry: CachedResponse) -> tuple[int, int] | None:
             usage = usage_of(jsonio.loads(raw))
         except jsonio.JSONDecodeError:
             continue
-        if usage is not None:
+        if usage is not None and not usage.rejected:
             return usage.prompt_tokens, usage.completion_tokens
     return None
 

@@ -402,7 +402,8 @@ def test_usage_of_a_parsed_answer() -> None:
     )
     assert usage_of_body(b'{"choices": []}') is None
     assert usage_of_body(b'{"usage": null}') is None
-    assert usage_of_body(b'{"usage": {"prompt_tokens": "12"}}') is None
+    # A count that is none is marked, for usage.believed to refuse it.
+    assert usage_of_body(b'{"usage": {"prompt_tokens": "12"}}') == Usage(rejected="invalid")
     assert usage_of_body(b'{"usage": {"prompt_tokens": 1, "completion_tokens": null}}') is None
     assert usage_of_body(b'["usage"]') is None
     assert usage_of_body(b'{"usage": {') is None
@@ -509,7 +510,7 @@ def test_an_unterminated_last_event_is_not_counted_and_bad_usage_is_ignored() ->
         b'data: {"choices":[{"delta":{"content":"cut off',
         [],
     )
-    assert tap.usage is None
+    assert tap.usage == Usage(rejected="invalid")  # counted by usage.believed
     assert tap.content_events == 0
     assert tap.result(prompt_estimate=1) == Usage(1, 0)
 

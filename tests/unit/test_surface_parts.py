@@ -172,7 +172,12 @@ def test_a_responses_answer_has_its_usage_under_the_responses_names() -> None:
     assert found is not None and (found.prompt_tokens, found.completion_tokens) == (5, 2)
     chat = usage_of({"usage": {"prompt_tokens": 4, "completion_tokens": 1}})
     assert chat is not None and chat.total == 5
-    assert usage_of({"usage": {"input_tokens": "5"}}) is None
+    # A count that is none is read as rejected (usage.believed stands the
+    # proxy's own count for it), never as a count.
+    for bad in ("5", -5, True, 1.5):
+        found = usage_of({"usage": {"input_tokens": bad}})
+        assert found is not None and found.rejected == "invalid"
+    assert usage_of({"usage": {"input_tokens": 5, "output_tokens": -1}}).rejected == "invalid"  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- the allowlist

@@ -1,0 +1,109 @@
+"""Which of an origin's token counts the proxy believes (usage.believed,
+usage.ceilings): absurd figures are refused, honest ones never (a reasoning
+model's hidden tokens, an image's tokens behind a short URL, a Responses
+follow-up's stored context)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
+from dataplane.streaming.usage import (
+    INVALID,
+    PAST_ANSWER,
+    PAST_BOUND,
+    PAST_REQUEST,
+    Usage,
+    believed,
+    ceilings,
+    usage_of,
+)
+
+
+def judged(endpoint: str, body: dict[str, Any], usage: dict[str, Any], answer: int = 100) -> Any:
+    raw = json.dumps(body).encode()
+    estimate = estimate_prompt_tokens(endpoint, body)
+    found = usage_of({"usage": usage})
+    assert found is not None
+    return believed(found, ceilings(endpoint, body, raw, estimate), answer, estimate, 7)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "usage"),
+    [
+        # A reasoning model's hidden tokens, far past the answer's text.
+        (CHAT, {"prompt_tokens": 9, "completion_tokens": 100_000}),
+        # Two images by URL: thousands of prompt tokens behind 60 bytes.
+        (
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "https://x/a.png"}},
+                            {"type": "image_url", "image_url": {"url": "https://x/b.png"}},
+                        ],
+                    }
+                ],
+            },
+            {"prompt_tokens": 200_000, "completion_tokens": 10},
+        ),
+        # A Responses follow-up: the origin's stored context is its prompt too.
+        (
+            {"model": "m", "input": "and then?", "previous_response_id": "resp_1"},
+            {"input_tokens": 900_000, "output_tokens": 10},
+        ),
+        # Within the request's bound.
+        ({**CHAT, "max_tokens": 5, "n": 2}, {"prompt_tokens": 9, "completion_tokens": 10}),
+    ],
+)
+def test_honest_counts_are_believed(body: dict[str, Any], usage: dict[str, Any]) -> None:
+    endpoint = "responses" if "input" in body else "chat.completions"
+    found, why = judged(endpoint, body, usage)
+    assert why == ""
+    assert found == usage_of({"usage": usage})
+
+
+@pytest.mark.parametrize(
+    ("body", "usage", "reason", "counted"),
+    [
+        (CHAT, {"prompt_tokens": -1, "completion_tokens": 3}, INVALID, None),
+        (CHAT, {"prompt_tokens": 9, "completion_tokens": 2.5}, INVALID, None),
+        (CHAT, {"prompt_tokens": True, "completion_tokens": 3}, INVALID, None),
+        (
+            {**CHAT, "max_completion_tokens": 4, "n": 3},
+            {"prompt_tokens": 9, "completion_tokens": 50},
+            PAST_BOUND,
+            (9, 12),
+        ),
+        (CHAT, {"prompt_tokens": 9, "completion_tokens": 10**12}, PAST_ANSWER, (9, 7)),
+        (CHAT, {"prompt_tokens": 10**12, "completion_tokens": 3}, PAST_REQUEST, None),
+    ],
+)
+def test_absurd_counts_are_not(
+    body: dict[str, Any],
+    usage: dict[str, Any],
+    reason: str,
+    counted: tuple[int, int] | None,
+) -> None:
+    found, why = judged("chat.completions", body, usage)
+    assert why == reason
+    estimate = estimate_prompt_tokens("chat.completions", body)
+    expected = counted or (estimate, 7 if reason == INVALID else usage["completion_tokens"])
+    assert (found.prompt_tokens, found.completion_tokens) == expected
+    assert found.prompt_tokens >= 0 and found.completion_tokens >= 0
+
+
+def test_a_cached_count_is_never_past_a_prompt_not_believed() -> None:
+    usage = Usage(10**12, 3, True, cached_tokens=10**12 - 1)
+    raw = json.dumps(CHAT).encode()
+    found, why = believed(usage, ceilings("chat.completions", CHAT, raw, 3), 100, 3, 7)
+    assert why == PAST_REQUEST
+    assert (found.prompt_tokens, found.cached_tokens) == (3, 3)
