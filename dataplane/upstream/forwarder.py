@@ -1179,7 +1179,9 @@ class Forwarder:
                         raise _Retryable("cut", "stream ended with [DONE] before any event", 200)
                     parsed: Any = jsonio.NOT_PARSED
                     if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
-                        parsed = _answer_object(body_read, resp.status, content_type)
+                        parsed = _answer_object(
+                            body_read, resp.status, content_type, path if method is None else ""
+                        )
                     elif resp.status == NOT_FOUND and body_read is not None and method is None:
                         # (A stored response's path is no endpoint's: an origin
                         # without it, or without the response, answers for it.)
@@ -1412,12 +1414,13 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
 PARSE_BEFORE_SENDING_MAX: Final = 1 << 20
 
 
-def _answer_object(body: bytes, status: int, content_type: str) -> Any:
+def _answer_object(body: bytes, status: int, content_type: str, path: str = "") -> Any:
     """A 2xx whole body parsed (NOT_PARSED when too large to parse before
     sending); _Retryable "bad_answer" when it is no JSON object, which every
     endpoint answers: an nginx welcome page, a gateway's login form, another
     service's JSON, a body cut short with its length (a wrong base URL or
-    port, or a broken origin)."""
+    port, or a broken origin); or when it holds no answer of the endpoint at
+    `path` (_missing_answer; "": not checked)."""
     if len(body) > PARSE_BEFORE_SENDING_MAX:
         ends = body.strip()
         if ends[:1] == b"{" and ends[-1:] == b"}":
@@ -1440,7 +1443,43 @@ def _answer_object(body: bytes, status: int, content_type: str) -> Any:
         # gave it, and an account's or the origin's as a fixed message
         # (review 201: "insufficient credit on account org-..." reached it).
         raise _error_answer(parsed, status)
+    missing = _missing_answer(parsed, path)
+    if missing:
+        raise _Retryable(
+            "bad_answer", f"answered {status} to {path} with no answer in it: {missing}", status
+        )
     return parsed
+
+
+def _missing_answer(parsed: dict[str, Any], path: str) -> str:
+    """What a 2xx body lacks to be an answer of the endpoint at `path`, ""
+    when it lacks nothing (or `path` is no endpoint checked): chat's choices,
+    each with a `message` object; completions' choices, each with a `text`;
+    embeddings' `data` list; a Responses object's `output` list. Trial 65: a
+    `{"object": "chat.completion"}` without choices, `"choices": []` or a
+    `"message": null` reached the SDK as a 200 (the client's code crashed on
+    it), and an embeddings request answered with a chat completion was kept
+    in the cache. A glance at the shape, no more: a few lookups per choice."""
+    if path in {"/chat/completions", "/completions"}:
+        choices = parsed.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return "no choices"
+        chat = path == "/chat/completions"
+        for choice in choices:
+            if not isinstance(choice, dict):
+                return "a choice that is no object"
+            if chat and not isinstance(choice.get("message"), dict):
+                return "a choice with no message"
+            if not chat and not isinstance(choice.get("text"), str):
+                return "a choice with no text"
+        return ""
+    if path == "/embeddings":
+        return "" if isinstance(parsed.get("data"), list) else "no data list"
+    if path == RESPONSES_PATH:
+        if isinstance(parsed.get("output"), list) or parsed.get("object") == "response":
+            return ""
+        return "no output list"
+    return ""
 
 
 NOT_FOUND = 404

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -76,7 +77,9 @@ class Origin:
             if b.status != 200:
                 return web.json_response({"error": {"message": "no"}}, status=b.status)
             if not b.stream:
-                return web.json_response({"origin": self.name})
+                message = {"role": "assistant", "content": "hi"}
+                choice = {"index": 0, "message": message, "finish_reason": "stop"}
+                return web.json_response({"origin": self.name, "choices": [choice]})
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
             await asyncio.sleep(b.first_delay)
@@ -368,8 +371,10 @@ async def test_a_200_that_is_not_json_is_a_failed_attempt_and_the_next_origin_an
     rig = await rigs(Behaviour(raw=raw), Behaviour())
     answer = await rig.forward()
     answer.release()
-    assert (answer.target.name, answer.status, answer.body) == ("o2", 200, b'{"origin": "o2"}')
-    assert answer.parsed == {"origin": "o2"}  # parsed once, for the pipeline
+    assert answer.body is not None
+    assert (answer.target.name, answer.status) == ("o2", 200)
+    assert answer.parsed == json.loads(answer.body)  # parsed once, for the pipeline
+    assert answer.parsed["origin"] == "o2"
     assert rig.attempts("o1", "bad_answer") == 1
     assert "o1: answered 200 with a body that is not a JSON object" in caplog.text
 
@@ -403,10 +408,11 @@ async def test_any_2xx_but_204_must_be_a_json_object(rigs: RigMaker) -> None:
 
 
 async def test_json_under_another_content_type_is_still_an_answer(rigs: RigMaker) -> None:
-    rig = await rigs(Behaviour(raw=("text/plain; charset=utf-8", b'{"ok": true}')))
+    raw = b'{"ok": true, "choices": [{"message": {"content": "hi"}}]}'
+    rig = await rigs(Behaviour(raw=("text/plain; charset=utf-8", raw)))
     answer = await rig.forward()
     answer.release()
-    assert (answer.status, answer.parsed) == (200, {"ok": True})
+    assert (answer.status, answer.parsed) == (200, json.loads(raw))
     assert rig.attempts("o1", "bad_answer") == 0
 
 
