@@ -457,7 +457,8 @@ class Metrics:
             "Attempts to call an origin, by origin and outcome: ok, connect_error, timeout, "
             "http_5xx, http_429, http_408 (the origin timed out waiting for the request), http_3xx "
             "(a redirect: a wrong base URL), credential_refused, account_refused (402), "
-            "credential_error, bad_answer (a 2xx that is not a JSON object or holds no answer: "
+            "credential_error, model_missing (a 404: the origin lacks the model), "
+            "bad_answer (a 2xx that is not a JSON object or holds no answer: "
             "no choices, no message), error_answer (a 2xx "
             "that is an error and no answer), too_large (a whole "
             "answer past --max-answer-bytes), cut, cut_after_start, "
@@ -476,6 +477,14 @@ class Metrics:
             "Times an origin was ejected by passive health checking (each origin the "
             "route table names is exported from 0, so increase() sees its first one)",
             ["origin"],
+            registry=r,
+        )
+        self.model_missing = Counter(
+            "ponto_origin_model_missing",
+            "Attempts whose origin answered 404 that it lacks the request's model, which "
+            "the route table lists it for (a LoRA adapter not loaded, a model not pulled), "
+            "by origin and model; failed over, and not counted against the origin's health",
+            ["origin", "model"],
             registry=r,
         )
         self.usage_rejected = Counter(

@@ -657,6 +657,7 @@ class Pipeline:
                 first_chunk_within=ex.idle_timeout_s,
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
+                model=ex.model,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

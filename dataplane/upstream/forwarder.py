@@ -42,6 +42,7 @@ from dataplane.http.errors import (
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
     error_blame,
+    model_not_found,
     origin_busy,
     origin_error_of,
     upstream_busy,
@@ -70,6 +71,7 @@ from dataplane.upstream.wire import (
     OriginResponse,
     OriginWire,
 )
+from ponto.logs import Throttled
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace
@@ -219,6 +221,9 @@ class UpstreamSettings:
 TOO_LARGE: Final = "too_large"
 # The outcome of a 2xx whole answer that is an error and no answer (_answer_object).
 ERROR_ANSWER: Final = "error_answer"
+# The outcome of a 404 that says the origin lacks the request's model, which
+# the route table lists it for (_check_not_found).
+MODEL_MISSING: Final = "model_missing"
 # The outcomes of a call that got no connection (wire.OriginFull), by its `why`:
 # none came free within --origin-queue-timeout, or the tenant held its share.
 # Never sent: the next origin is tried, and neither counts against the origin.
@@ -366,6 +371,11 @@ class _Tries:
     full: int = 0
     # The last failed attempt was one of those: never sent.
     unsent: bool = False
+    # The model the request names, as sent (a 404 saying an origin lacks it
+    # is that origin's misconfiguration); "" when not known.
+    model: str = ""
+    # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
+    model_missing: int = 0
 
 
 @dataclass(slots=True)
@@ -426,6 +436,8 @@ class Forwarder:
         # not before twice the time its answers usually take.
         self.stalls = stalls or Stalls(None)
         self.stalls.usual = self.commit_times.p95
+        # Per origin: one that lacks a model it is listed for (MODEL_MISSING).
+        self._missing_told: dict[str, Throttled] = {}
 
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
@@ -494,6 +506,7 @@ class Forwarder:
         tenants_own: bool = False,
         method: str | None = None,
         tenant: str = "",
+        model: str = "",
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -539,10 +552,19 @@ class Forwarder:
         share, or one that found no connection free within the queue timeout
         (OriginWire), is sent nowhere and the next candidate is tried; when
         no candidate had a connection, ApiError 503 origin_busy.
+
+        `model`: the model the request names. An origin that answers 404
+        saying it lacks that model (a LoRA adapter not loaded, a model not
+        pulled), though the route table lists it, is failed over (counted in
+        ponto_origin_model_missing_total, not against its health: it may
+        serve its other models well); when every origin tried says so,
+        ApiError 404 model_not_found.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
-        tries = _Tries(loop.time() + settings.deadline - spent_s, method=method, tenant=tenant)
+        tries = _Tries(
+            loop.time() + settings.deadline - spent_s, method=method, tenant=tenant, model=model
+        )
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
                 first_chunk_within = max(first_chunk_within, settings.first_chunk_timeout)
@@ -613,6 +635,9 @@ class Forwarder:
             error = upstream_busy(tries.busy_retry_s)
         elif tries.full and tries.full == tries.failed:
             error = origin_busy()
+        elif tries.model_missing and tries.model_missing == tries.failed:
+            # Every origin tried lacks it: the client's answer is OpenAI's.
+            error = model_not_found(model or "requested")
         elif tries.shown is not None:
             error = upstream_error_answer(tries.shown)
         else:
@@ -908,6 +933,13 @@ class Forwarder:
         if exc.outcome == TOO_LARGE:
             tries.too_large = True
             return  # the origin did answer: not a failure of its health
+        if exc.outcome == MODEL_MISSING:
+            tries.model_missing += 1
+            self._model_missing(target.name, tries.model or "?", str(exc))
+            # Not against its health: ejection is of the whole origin, which
+            # may serve its other models well (one adapter not loaded would
+            # take a healthy replica from every model's traffic).
+            return
         if exc.outcome == ERROR_ANSWER:
             tries.shown = exc.shown or tries.shown
             if exc.blame == "account":
@@ -938,6 +970,20 @@ class Forwarder:
             tries.busy_retry_s = wait if known is None else min(known, wait)
             return
         self._failure(target.name, str(exc))
+
+    def _model_missing(self, origin: str, model: str, said: str) -> None:
+        """`origin` answered that it lacks `model` (which the route table
+        lists it for): counted, and told at most once a minute per origin."""
+        self._metrics.model_missing.labels(origin, model).inc()
+        told = self._missing_told.get(origin)
+        if told is None:
+            told = self._missing_told[origin] = Throttled(log, every_s=60.0)
+        told.log(
+            logging.WARNING,
+            "origin %s lacks model %s, which the route table lists it for (a LoRA adapter "
+            "not loaded, a model not pulled?); failed over: %s",
+            origin, model, said,
+        )  # fmt: skip
 
     def _failure(self, origin: str, why: str) -> None:
         """A failure of `origin` (`why`, as logged) for its passive health; an
@@ -1185,7 +1231,7 @@ class Forwarder:
                     elif resp.status == NOT_FOUND and body_read is not None and method is None:
                         # (A stored response's path is no endpoint's: an origin
                         # without it, or without the response, answers for it.)
-                        _check_not_found(body_read, path)
+                        _check_not_found(body_read, path, tries.model if tries else "")
                     if resp.status < 400 and method is None:
                         # Refusals come back at once and would make "slow" look fast.
                         took = loop.time() - sent_at
@@ -1485,21 +1531,34 @@ def _missing_answer(parsed: dict[str, Any], path: str) -> str:
 NOT_FOUND = 404
 
 
-def _check_not_found(body: bytes, path: str) -> None:
+def _check_not_found(body: bytes, path: str, model: str = "") -> None:
     """Refuse (_Retryable "bad_answer") a 404 that is no OpenAI-style error:
     the origin has no such path, not no such model (trial 52: an origin
     added without /v1 in its URL answered every request 404 Not Found, which
-    the client got, with no other origin tried and the origin healthy). An
-    OpenAI-compatible server's 404 is an error object (a model it does not
-    serve), which is the client's to read."""
+    the client got, with no other origin tried and the origin healthy).
+    Refuse too (MODEL_MISSING) one that says the origin lacks `model`: the
+    proxy checked the model against the route table, which lists the origin
+    for it, so the fault is the origin's (trial 65: a vLLM replica without a
+    LoRA adapter had every retry relay its 404 while another served it).
+    Any other OpenAI-style 404 error is the client's to read."""
     parsed = jsonio.loads_or_none(body) if len(body) <= PARSE_BEFORE_SENDING_MAX else None
     if isinstance(parsed, list) and parsed and isinstance(parsed[0], dict):
         parsed = parsed[0]  # errors as a list (Gemini's OpenAI endpoint; review 205)
-    if isinstance(parsed, dict) and (parsed.get("error") or parsed.get("object") == "error"):
-        return
     detail = parsed.get("detail") if isinstance(parsed, dict) else None
-    if isinstance(detail, str) and detail != "Not Found":
-        return  # a FastAPI server's own 404 (a model it lacks), not its router's
+    if isinstance(parsed, dict) and (
+        parsed.get("error")
+        or parsed.get("object") == "error"
+        or (isinstance(detail, str) and detail != "Not Found")
+    ):
+        said = _lacks_model(parsed, model)
+        if said is not None:
+            raise _Retryable(
+                MODEL_MISSING,
+                f"answered 404: it lacks model {model or '(unnamed)'}: {said[:200]}",
+                NOT_FOUND,
+                worked=False,
+            )
+        return  # an OpenAI-style error, or a FastAPI server's own (not its router's)
     raise _Retryable(
         "bad_answer",
         f"answered 404 to {path} with no OpenAI-style error: a wrong base URL? (OpenAI-"
@@ -1507,6 +1566,33 @@ def _check_not_found(body: bytes, path: str) -> None:
         NOT_FOUND,
         worked=False,
     )
+
+
+# What a 404's message says of a model it lacks: vLLM's "The model `M` does
+# not exist.", Ollama's "model 'M' not found" ("..., try pulling it first").
+_LACKS = re.compile(r"does not exist|not found|not loaded|unknown model|no such model", re.I)
+
+
+def _lacks_model(parsed: dict[str, Any], model: str) -> str | None:
+    """The message of a 404 error that says the origin lacks `model`, None
+    when it says anything else: its code is `model_not_found` (hosted APIs),
+    or its message names `model` (quoted) and says it is missing (vLLM,
+    Ollama, a FastAPI server's `detail`). A message that names the model and no lack of
+    it (an adapter's own 404 about something else) is the client's."""
+    error = parsed.get("error")
+    where = error if isinstance(error, dict) else parsed
+    message = where.get("message")
+    if isinstance(error, str):
+        message = error  # Ollama's native `{"error": "model 'M' not found"}`
+    elif not isinstance(message, str):
+        message = parsed.get("detail")
+    text = message if isinstance(message, str) else ""
+    if where.get("code") == "model_not_found" or parsed.get("code") == "model_not_found":
+        return text or "model_not_found"
+    # Named quoted, as each server quotes it: not a part of another word.
+    if model and any(f"{q}{model}{q}" in text for q in "`'\"") and _LACKS.search(text):
+        return text
+    return None
 
 
 def _holds_answer(parsed: dict[str, Any]) -> bool:
