@@ -145,6 +145,7 @@ class Continuations:
                 first_chunk_within=ex.idle_timeout_s,
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
+                model=ex.model,
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call
