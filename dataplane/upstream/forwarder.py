@@ -88,7 +88,9 @@ log = logging.getLogger(__name__)
 # DROP_RESPONSE_PREFIXES). An origin's `alt-svc` and
 # `strict-transport-security` would bind the proxy's host to the origin's
 # protocols and TLS policy, and its `access-control-*` (TGI allows any origin)
-# would stand for the proxy's --cors-origins (review 46).
+# would stand for the proxy's --cors-origins (review 46). Its
+# `www-authenticate` challenges for the origin's realm, not the proxy's: a
+# client authenticates to the proxy (trial 65 saw `Bearer realm=internal`).
 DROP_RESPONSE_HEADERS = frozenset(
     {
         "connection",
@@ -109,6 +111,7 @@ DROP_RESPONSE_HEADERS = frozenset(
         "anthropic-organization-id",
         "alt-svc",
         "strict-transport-security",
+        "www-authenticate",
     }
 )
 DROP_RESPONSE_PREFIXES = ("x-ratelimit", "ratelimit", "anthropic-ratelimit", "access-control-")

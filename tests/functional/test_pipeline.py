@@ -687,6 +687,7 @@ ACCOUNT_HEADERS = {
     "alt-svc": 'h3=":443"; ma=86400',
     "strict-transport-security": "max-age=31536000",
     "set-cookie": "__cf_bm=operator; path=/",
+    "www-authenticate": 'Bearer realm="internal"',
 }
 
 
