@@ -704,7 +704,10 @@ _ROLES: dict[str, Check] = {
             **_MESSAGE_FIELDS,
             "refusal": string(),
             "audio": obj({"id": string()}, required=("id",)),
-            "tool_calls": array(TOOL_CALL, expected=OBJECTS, non_empty=True),
+            # Empty is taken, as none: vLLM writes `"tool_calls": []` into
+            # its own answers, which agents send back as the next turn
+            # (review: refusing it, as OpenAI does, broke every second turn).
+            "tool_calls": array(TOOL_CALL, expected=OBJECTS),
             "function_call": FUNCTION_CALL,
         }
     ),
@@ -841,13 +844,16 @@ def _not_a_call_of(i: int, call_id: str) -> Invalid:
 
 
 def _calls_unanswered(i: int, call_ids: list[str]) -> Invalid:
-    shown = ", ".join(call_id[:64] for call_id in call_ids[:8])
-    more = f" (and {len(call_ids) - 8} more)" if len(call_ids) > 8 else ""
+    # Every id, as OpenAI lists them (review: client code splits the list on
+    # ", " to mend its history); a body's worth of them, MAX_TOOLS at most.
+    shown = ", ".join(call_id[:256] for call_id in call_ids[:MAX_TOOLS])
+    if len(call_ids) > MAX_TOOLS:
+        shown += f" (and {len(call_ids) - MAX_TOOLS} more)"
     return Invalid(
         lambda param: bad_request(
             "An assistant message with 'tool_calls' must be followed by tool messages "
             "responding to each 'tool_call_id'. The following tool_call_ids did not have "
-            f"response messages: {shown}{more}",
+            f"response messages: {shown}",
             param=f"{param}.[{i}].role",
         )
     )
@@ -868,7 +874,8 @@ CHAT_TOOLS = array(
     ),
     expected=OBJECTS,
     max_len=MAX_TOOLS,
-    non_empty=True,  # as OpenAI; leave `tools` out for none
+    # Empty is taken, as none (OpenAI refuses it; vLLM, llama.cpp and TGI
+    # take it, and agent code sends `tools=[]` when it has none: review).
 )
 _NAMED = obj({"name": string()}, required=("name",))
 CHAT_TOOL_CHOICE = either(
