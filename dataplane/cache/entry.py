@@ -247,6 +247,9 @@ class StreamRecorder:
         # The members of each tool call (by choice and call index) that have no
         # merge rule of their own (`_TOOL_PIECES`) and came in a delta already.
         self._whole_members: dict[tuple[int, int], set[str]] = {}
+        # (choice, index) -> the id its call was given: a second id there is
+        # a second call at the same index (origins that send no index).
+        self._call_ids: dict[tuple[int, int], str] = {}
         self._kind: ResponseKind | None = None
         self._model = ""
         self._done = False
@@ -305,6 +308,13 @@ class StreamRecorder:
         for call in calls:
             if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
                 continue  # `to_completion` leaves it out too
+            call_id = call.get("id")
+            if isinstance(call_id, str) and call_id:
+                # Review: calls sent without `index` were all merged into
+                # slot 0, two whole calls into one with both arguments.
+                had = self._call_ids.setdefault((choice, call.get("index", 0)), call_id)
+                if had != call_id:
+                    return "two tool calls at one index"
             for name, value in call.items():
                 if value is None or name in _TOOL_WHOLE:
                     continue
@@ -689,6 +699,8 @@ class _Choice:
         for name, value in call.items():
             if name == "index" or value is None:
                 continue
+            if name in ("id", "type") and not value:
+                continue  # review: "" in a later delta (DashScope's) is no new id
             piece = _TOOL_PIECES.get(name)
             if piece is not None and isinstance(value, dict):
                 part = slot.get(name)

@@ -699,6 +699,48 @@ def test_a_tool_call_that_cannot_be_merged_faithfully_is_not_kept(
     assert recorder.reason is not None and "pieces" in recorder.reason
 
 
+def test_an_empty_id_in_a_later_delta_keeps_the_calls_id() -> None:
+    """Review: DashScope (Qwen) sends `"id": ""` in a call's later deltas, and
+    the assembled call's id was ""."""
+    stream = [
+        chunk([delta({"role": "assistant", "content": None})]),
+        chunk([delta({"tool_calls": [{"index": 0, "id": "call_abc", "type": "function",
+                                      "function": {"name": "f", "arguments": ""}}]})]),
+        chunk([delta({"tool_calls": [{"index": 0, "id": "", "type": "",
+                                      "function": {"name": "", "arguments": "{}"}}]})]),
+        chunk([delta({}, finish="tool_calls")]),
+    ]  # fmt: skip
+    calls = orjson.loads(to_completion(recorded(sse(stream))))["choices"][0]["message"][
+        "tool_calls"
+    ]
+    assert calls == [
+        {"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
+
+
+@pytest.mark.parametrize("one_delta", [False, True])
+def test_calls_without_an_index_are_not_merged_into_one(one_delta: bool) -> None:
+    """Review: calls sent without `index` all went to slot 0, and two whole
+    calls were served as one with both arguments. Which call a later piece
+    belongs to is then a guess: the stream is not kept."""
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": '{"b":2}'}},
+    ]
+    sent = [delta({"tool_calls": calls})] if one_delta else [
+        delta({"tool_calls": [call]}) for call in calls
+    ]  # fmt: skip
+    stream = [
+        chunk([delta({"role": "assistant", "content": None})]),
+        *(chunk([d]) for d in sent),
+        chunk([delta({}, finish="tool_calls")]),
+    ]
+    recorder = StreamRecorder()
+    recorder.feed(sse(stream))
+    assert recorder.finish(now=NOW) is None
+    assert recorder.reason == "two tool calls at one index"
+
+
 def test_a_completion_with_a_custom_tool_call_replays_it_and_back() -> None:
     body = chat_body(None, finish="tool_calls", tool_calls=[CUSTOM_CALL])
     entry = from_completion(orjson.dumps(body), now=NOW)
