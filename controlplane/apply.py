@@ -12,6 +12,10 @@ Pure: no I/O, no clock.
     origins:
       - {name: vllm-use1, region: us-east, url: "http://vllm:8000/v1", models: [llama-3-8b],
          weight: 100, capacity: 64, credential_env: ORIGIN_USE1_KEY}
+      - {name: ollama-laptop, region: us-east, url: "http://laptop:11434/v1", models: [llama3],
+         probe_path: /api/version}    # the control plane's --probe-path when left out
+      - {name: hosted-1, region: us-east, url: "https://api.example/v1", models: [gpt-4o],
+         credential_env: HOSTED_KEY, probe: false, continuation: false}
     tenants:
       - name: acme
         limits: {rpm: 600, tpm: 100000, concurrency: 20}
@@ -90,6 +94,8 @@ ORIGIN_FIELDS = (
     "credential_env",
     "credential_file",
     "continuation",
+    "probe_path",
+    "probe",
     "drained",
 )
 TENANT_FIELDS = (
@@ -362,6 +368,8 @@ def _origin(o: _Obj) -> Origin:
         credential_env=o.get("credential_env", str, ""),
         credential_file=o.get("credential_file", str, ""),
         continuation=o.get("continuation", bool, True),
+        probe_path=o.get("probe_path", str, ""),
+        probe=o.get("probe", bool, True),
     )
 
 
@@ -503,11 +511,14 @@ def origin_doc(o: Origin) -> dict[str, Any]:
         ("capacity", o.capacity),
         ("credential_env", o.credential_env),
         ("credential_file", o.credential_file),
+        ("probe_path", o.probe_path),
     ):
         if value:
             out[key] = value
     if not o.continuation:
         out["continuation"] = False
+    if not o.probe:
+        out["probe"] = False
     if o.drained:
         out["drained"] = True
     return out

@@ -248,10 +248,11 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             o.server_kind or "-",
             _inflight(o),
             _continuation(o),
+            _probe(o),
         ]
         for o in resp.origins
     ]
-    return [*header, "CONTINUATION"], rows
+    return [*header, "CONTINUATION", "PROBE"], rows
 
 
 def _inflight(o: pb.Origin) -> str:
@@ -287,10 +288,16 @@ def _health(o: pb.Origin, ejected: str) -> str:
     """An origin's health as the probes see it, and as the proxies' passive
     health does when it differs (trial 49: an origin failing every request
     passed its /health probes, and read "yes")."""
-    probes = "yes" if o.healthy else f"no ({o.health_detail})"
+    if o.not_probed:
+        probes = "not probed"
+    elif o.healthy:
+        # A pass may say what it proved (a 401 answered to a keyless probe).
+        probes = f"yes ({o.health_detail})" if o.health_detail else "yes"
+    else:
+        probes = f"no ({o.health_detail})"
     if not ejected:
         return probes
-    return f"{probes}, but {ejected}" if o.healthy else f"{probes}; {ejected}"
+    return f"{probes}, but {ejected}" if o.healthy and not o.not_probed else f"{probes}; {ejected}"
 
 
 def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[str]]]:
@@ -647,6 +654,22 @@ def _parser() -> argparse.ArgumentParser:
         help="the origin accepts continuation requests (vLLM's continue_final_message), so "
         "streams cut elsewhere may continue here; on by default (vLLM, SGLang), off for "
         "hosted APIs",
+    )
+    oa.add_argument(
+        "--probe-path",
+        default=None,
+        metavar="PATH",
+        help="where the control plane probes the origin's health, from the root of its URL "
+        "(vLLM, SGLang, TGI, llama.cpp: /health; Ollama: / or /api/version; LiteLLM: "
+        '/health/liveliness); "" or not given: the control plane\'s --probe-path '
+        "(default /health); turns probing on",
+    )
+    oa.add_argument(
+        "--probe",
+        choices=["on", "off"],
+        default=None,
+        help="off: never probe the origin (a hosted API that answers nothing without a key): "
+        "it counts as healthy and the proxies' passive health alone judges it; on by default",
     )
     oa.add_argument(
         "--update",
@@ -1723,6 +1746,16 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
             args.credential_file or "",
         )
     spec.continuation = args.continuation or spec.continuation or "on"
+    # A path turns probing on (one is for probing); probing off forgets the
+    # path (there is nothing to probe): each replaces the other, as the two
+    # credential flags do. Both at once is the control plane's error to give.
+    if args.probe_path is not None:
+        spec.probe_path, spec.probe = args.probe_path, "on"
+    if args.probe is not None:
+        spec.probe = args.probe
+        if args.probe == "off" and args.probe_path is None:
+            spec.probe_path = ""
+    spec.probe = spec.probe or "on"
     return spec
 
 
@@ -1738,6 +1771,8 @@ def _as_spec(o: pb.Origin) -> apb.OriginSpec:
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         continuation="off" if o.no_continuation else "on",
+        probe_path=o.probe_path,
+        probe="off" if o.not_probed else "on",
     )
 
 
@@ -1754,9 +1789,16 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
             "credential_env": o.credential_env or "-",
             "credential_file": o.credential_file or "-",
             "continuation": "off" if o.no_continuation else "on",
+            "probe": _probe(o),
         }
 
     return _changes(shown(before), shown(after))
+
+
+def _probe(o: pb.Origin) -> str:
+    """How the control plane probes an origin: "off", or the path it sets
+    ("default": the control plane's --probe-path)."""
+    return "off" if o.not_probed else o.probe_path or "default"
 
 
 # How long `key create` waits for the proxies to take the new key (trial 48:

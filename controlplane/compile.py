@@ -28,7 +28,11 @@ def compile_table(state: State) -> pb.RouteTable:
         if origin.region not in known:
             continue
         health = state.health.get(origin.name)
-        healthy = health.healthy if health else True
+        # An origin not probed is healthy from the moment probing is turned
+        # off, whatever an earlier probe of it said: no later probe would
+        # lift that verdict. The proxies' passive health judges it alone.
+        verdict = health if origin.probe else None
+        healthy = verdict.healthy if verdict else True
         load = health.inflight if health else 0.0
         unmeasured = health.inflight_unknown if health else False
         # An origin whose load is not read counts for neither the region's
@@ -54,12 +58,14 @@ def compile_table(state: State) -> pb.RouteTable:
                 healthy=healthy,
                 capacity=origin.capacity,
                 inflight=load,
-                health_detail=health.detail if health else "",
+                health_detail=verdict.detail if verdict else "",
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
                 no_continuation=not origin.continuation,
                 server_kind=health.server_kind if health else "",
                 inflight_unknown=unmeasured,
+                probe_path=origin.probe_path,
+                not_probed=not origin.probe,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):

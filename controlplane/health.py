@@ -1,14 +1,16 @@
 """Active health checks and load scraping of origins (leader only).
 
-Each origin is probed every interval at its probe path (resolved against the
-origin's scheme://host:port, so vLLM's /health works) and its Prometheus
-metrics are read for its server's kind and load (controlplane.load: vLLM,
-SGLang, llama.cpp, TGI). Health changes after `rise`
-consecutive successes or `fall` consecutive failures. Results are written to
-the store only when they change what proxies would do (health, or load by a
-tenth of capacity), so probing does not churn route tables. The fresh
-per-origin load that proxies place requests by is scraped apart, more often,
-and pushed outside tables (controlplane.loadsync).
+Each origin is probed every interval at its probe path (its own, else the
+fleet's --probe-path; resolved against the origin's scheme://host:port, so
+vLLM's /health works) and its Prometheus metrics are read for its server's
+kind and load (controlplane.load: vLLM, SGLang, llama.cpp, TGI). An origin
+with probing off is never called: the table counts it healthy
+(controlplane.compile) and the proxies' passive health judges it. Health
+changes after `rise` consecutive successes or `fall` consecutive failures.
+Results are written to the store only when they change what proxies would do
+(health, or load by a tenth of capacity), so probing does not churn route
+tables. The fresh per-origin load that proxies place requests by is scraped
+apart, more often, and pushed outside tables (controlplane.loadsync).
 """
 
 from __future__ import annotations
@@ -105,15 +107,52 @@ def root_of(base_url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+# Statuses that show an origin's server up but the probe unauthorised: the
+# probe carries no key (the control plane never holds origin credentials),
+# so from an origin the proxies send one to they say nothing of its health.
+UNAUTHORISED = frozenset({401, 403})
+# Statuses that say the path is wrong for the server, not that it is down.
+NO_SUCH_PATH = frozenset({404, 405})
+
+
+def verdict(status: int, path: str, has_credential: bool) -> tuple[bool, str]:
+    """Pure: (passed, detail) of a probe of `path` answered `status`.
+
+    A pass may carry a detail too: a 401/403 from an origin with a credential
+    passes (its server answered; the proxies' requests carry the key, which
+    the probe cannot), and the detail says it was not a health check. A
+    failure's detail names the fix where the status points at one."""
+    if status < 400:
+        return True, ""
+    answered = f"probe answered {status} at {path}"
+    if status in UNAUTHORISED and has_credential:
+        return True, f"{answered}: up; the probe carries no key, the proxies' requests do"
+    if status in UNAUTHORISED:
+        return False, (
+            f"{answered}: the origin wants a key; give it a credential (pontoctl origin add "
+            "--update --credential-env or --credential-file), a probe path it answers "
+            "without one (--probe-path), or turn probing off (--probe off)"
+        )
+    if status in NO_SUCH_PATH:
+        return False, (
+            f"{answered}: set the origin's probe path (pontoctl origin add --update "
+            "--probe-path, e.g. / or /api/version for Ollama, /health/liveliness for "
+            "LiteLLM) or turn probing off (--probe off)"
+        )
+    return False, answered
+
+
 def judge(track: _Track, ok: bool, detail: str, settings: ProbeSettings) -> None:
-    """Pure rise/fall hysteresis on one probe result."""
+    """Pure rise/fall hysteresis on one probe result. A passing probe's
+    detail (see `verdict`) is kept while healthy; a failing one's always."""
     if ok:
         track.successes += 1
         track.failures = 0
         if not track.healthy and track.successes >= settings.rise:
             track.healthy = True
         if track.healthy:
-            track.detail = ""  # a passing probe clears a reason that never flipped health
+            # A passing probe also clears a reason that never flipped health.
+            track.detail = detail
     else:
         track.failures += 1
         track.successes = 0
@@ -122,13 +161,16 @@ def judge(track: _Track, ok: bool, detail: str, settings: ProbeSettings) -> None
             track.healthy = False
 
 
-def health_line(health: OriginHealth, fall: int) -> str:
-    """The log line of an origin's health as first written or flipped. A new
-    origin starts healthy: a first probe that failed has not made it unhealthy."""
+def health_line(health: OriginHealth, fall: int, *, passed: bool = False) -> str:
+    """The log line of an origin's health as first written or flipped (by a
+    probe that `passed` or not). A new origin starts healthy: a first probe
+    that failed has not made it unhealthy."""
     name = health.origin
     if not health.healthy:
         why = f" ({health.detail})" if health.detail else ""
         return f"origin {name} is unhealthy{why}"
+    if health.detail and passed:  # what the pass proved (see `verdict`)
+        return f"origin {name} is healthy ({health.detail})"
     if health.detail:
         return (
             f"origin {name} is healthy until {fall} probes in a row fail"
@@ -148,18 +190,27 @@ LOAD_WRITE_INTERVAL_S = 5.0
 
 
 def worth_writing(
-    old: OriginHealth | None, new: OriginHealth, capacity: int, since: float = math.inf
+    old: OriginHealth | None,
+    new: OriginHealth,
+    capacity: int,
+    since: float = math.inf,
+    *,
+    passed: bool = False,
 ) -> bool:
     """Whether `new` is to be written over `old`, the last written (`since`
     seconds ago by this process; infinite when another wrote it): a first
-    result, a flip of health, a new reason while unhealthy, or (with a stated
-    capacity) a move of load by a tenth of it, at most every
-    LOAD_WRITE_INTERVAL_S; while healthy, a new server kind, or load figures
-    that come or go."""
+    result, a flip of health, a new reason while unhealthy, a new detail of
+    a probe that `passed` while healthy (a 401 with a credential, or an old
+    first failure it clears), or (with a stated capacity) a move of load by a
+    tenth of it, at most every LOAD_WRITE_INTERVAL_S; while healthy, a new
+    server kind, or load figures that come or go. A failure that does not
+    flip health is not written: one lost probe would push two tables."""
     if old is None or old.healthy != new.healthy:
         return True
+    if old.detail != new.detail and (passed or not new.healthy):
+        return True
     if not new.healthy:
-        return old.detail != new.detail
+        return False
     if old.server_kind != new.server_kind or old.inflight_unknown != new.inflight_unknown:
         return True  # what the operator reads of the origin's load changed
     if capacity:
@@ -210,27 +261,42 @@ class Prober:
         names = {o.name for o in state.origins}
         for gone in set(self._tracks) - names:
             del self._tracks[gone]
-        for origin in state.origins:
+        # Origins with probing off are not called, nor tracked, and a verdict
+        # stored before is forgotten (the table ignores it meanwhile): turned
+        # back on, one starts healthy, as a new origin does, not from a
+        # failure of before.
+        probed = [o for o in state.origins if o.probe]
+        for off in (o for o in state.origins if not o.probe):
+            self._tracks.pop(off.name, None)
+            stored = state.health.get(off.name)
+            if stored is not None and (not stored.healthy or stored.detail) and self._may_write():
+                await self._write(
+                    OriginHealth(
+                        off.name, healthy=True, inflight=stored.inflight, checked_at=time.time()
+                    )
+                )
+        for origin in probed:
             if origin.name not in self._tracks:
                 stored = state.health.get(origin.name)
                 self._tracks[origin.name] = _Track(
                     healthy=stored.healthy if stored else True, written=stored
                 )
-        await asyncio.gather(*(self._probe(session, o) for o in state.origins))
+        await asyncio.gather(*(self._probe(session, o) for o in probed))
         self.rounds += 1
 
     async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> None:
         track = self._tracks[origin.name]
         root = root_of(origin.base_url)
+        path = origin.probe_path or self._settings.path
         ok, detail = False, ""
         # The metrics page as read: None while untold (not asked, or no
         # answer in time: the last figures stand); a refusal (404, or
         # llama.cpp's 501 without --metrics) reads as an empty page.
         page: str | None = "" if not self._settings.metrics_path else None
         try:
-            async with session.get(root + self._settings.path) as resp:
-                ok = resp.status < 400
-                detail = "" if ok else f"probe answered {resp.status}"
+            async with session.get(root + path) as resp:
+                has_key = bool(origin.credential_env or origin.credential_file)
+                ok, detail = verdict(resp.status, path, has_key)
                 await resp.read()
             if ok and self._settings.metrics_path:
                 try:
@@ -256,16 +322,24 @@ class Prober:
         )
         now = asyncio.get_running_loop().time()
         since = now - track.written_at
-        if self._may_write() and worth_writing(track.written, new, origin.capacity, since):
+        if self._may_write() and worth_writing(
+            track.written, new, origin.capacity, since, passed=ok
+        ):
             flipped = track.written is None or track.written.healthy != new.healthy
-            try:
-                await self._catalog.put_health(new, fence=self._fence())
-            except Unavailable as exc:
-                log.warning("cannot record health of %s: %s", origin.name, exc)
-                return
-            except Conflict:
-                log.warning("not recording health of %s: no longer the leader", origin.name)
+            if not await self._write(new):
                 return
             track.written, track.written_at = new, now
             if flipped:
-                log.info("%s", health_line(new, self._settings.fall))
+                log.info("%s", health_line(new, self._settings.fall, passed=ok))
+
+    async def _write(self, health: OriginHealth) -> bool:
+        """Store `health`; False (and logged) when it could not be."""
+        try:
+            await self._catalog.put_health(health, fence=self._fence())
+        except Unavailable as exc:
+            log.warning("cannot record health of %s: %s", health.origin, exc)
+            return False
+        except Conflict:
+            log.warning("not recording health of %s: no longer the leader", health.origin)
+            return False
+        return True

@@ -53,12 +53,14 @@ Fetch = Callable[[str], Awaitable[str | None]]
 
 def targets(table: pb.RouteTable) -> list[tuple[str, str]]:
     """(origin, scheme://host:port) of the origins worth scraping: healthy,
-    not drained, not in a drained region (proxies send them nothing)."""
+    not drained, not in a drained region (proxies send them nothing), and
+    probed (probing off is for origins the control plane cannot call without
+    a key, such as hosted APIs, which publish no vLLM gauges either)."""
     drained_regions = {r.name for r in table.regions if r.drained}
     return [
         (o.name, root_of(o.base_url))
         for o in table.origins
-        if o.healthy and not o.drained and o.region not in drained_regions
+        if o.healthy and not o.not_probed and not o.drained and o.region not in drained_regions
     ]
 
 

@@ -46,6 +46,8 @@ def origin_of(spec: apb.OriginSpec) -> Origin:
         credential_env=spec.credential_env,
         credential_file=spec.credential_file,
         continuation=_on_off(spec.continuation, "continuation"),
+        probe_path=spec.probe_path,
+        probe=_on_off(spec.probe, "probe"),
     )
 
 

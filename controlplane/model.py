@@ -41,6 +41,10 @@ def model_invalid(refusal: str, model: str) -> str:
 
 
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+# An origin's probe path: absolute, of URL path and query characters only
+# (RFC 3986 pchar, "/" and "?"), so that it is sent as written and cannot
+# name another host or carry a fragment.
+PROBE_PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@%/?-]{0,255}\Z")
 PARAM_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 CACHE_MODES = ("off", "exact", "semantic")
 ROUTING_MODES = ("affinity", "least-loaded", "weighted")
@@ -301,6 +305,14 @@ class Origin:
     # Accepts continuation requests (vLLM's continue_final_message): on by
     # default, as Ponto's origins are vLLM-compatible unless said otherwise.
     continuation: bool = True
+    # Where the leader probes the origin's health, from the root of its URL
+    # ("": the fleet's --probe-path), for servers without vLLM's /health
+    # (Ollama answers at /, LiteLLM at /health/liveliness).
+    probe_path: str = ""
+    # False: the leader never probes it (a hosted API that answers no
+    # unauthenticated path): it counts as healthy in every table, and the
+    # proxies' passive health (ejection) alone judges it.
+    probe: bool = True
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -354,6 +366,18 @@ class Origin:
                 f"credential_file {self.credential_file!r} of origin {self.name!r} must be "
                 "an absolute path",
                 field="credential_file",
+            )
+        if self.probe_path and not PROBE_PATH_RE.match(self.probe_path):
+            raise InvalidArgument(
+                f"probe path {self.probe_path!r} of origin {self.name!r} is not an absolute "
+                "path from the origin's root (e.g. /health, /api/version), of at most 256 "
+                "URL path characters",
+                field="probe_path",
+            )
+        if self.probe_path and not self.probe:
+            raise InvalidArgument(
+                f"origin {self.name!r}: a probe path with probing off (give one or the other)",
+                field="probe_path",
             )
         return replace(self, base_url=url, weight=weight, models=tuple(sorted(self.models)))
 

@@ -116,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
         "--probe-path",
         default="/health",
         help="health path, resolved against each origin's scheme://host:port "
-        "(e.g. /health for vLLM, /v1/models; default: %(default)s)",
+        "(e.g. /health for vLLM, /v1/models), for the origins without one of their own "
+        "(pontoctl origin add --probe-path; default: %(default)s)",
     )
     p.add_argument(
         "--origin-ca",

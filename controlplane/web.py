@@ -770,6 +770,9 @@ def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> 
     return {
         "name": o.name,
         "healthy": o.healthy,
+        # False: probing is off for it (healthy then says only that no probe
+        # judges it; the proxies' passive health, `ejected`, does).
+        "probed": not o.not_probed,
         "detail": o.health_detail,
         # What the proxies' passive health says when it ejected the origin
         # ("": none did), which probes of /health miss (trial 49).

@@ -193,15 +193,19 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         models=list(o.models),
         weight=o.weight,
         drained=o.drained,
-        healthy=health.healthy if health else True,
+        # As in the table (controlplane.compile): an origin not probed is
+        # healthy whatever an earlier probe of it said.
+        healthy=health.healthy if health and o.probe else True,
         capacity=o.capacity,
         inflight=health.inflight if health else 0.0,
-        health_detail=health.detail if health else "",
+        health_detail=health.detail if health and o.probe else "",
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         no_continuation=not o.continuation,
         server_kind=health.server_kind if health else "",
         inflight_unknown=health.inflight_unknown if health else False,
+        probe_path=o.probe_path,
+        not_probed=not o.probe,
     )
 
 

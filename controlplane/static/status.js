@@ -143,11 +143,14 @@ function renderMarkers(regions) {
 }
 
 // An origin's state: drained, unhealthy by the probes, failing (the probes
-// pass but proxies ejected it for failing their requests), or healthy.
+// pass, or none are made, but proxies ejected it for failing their requests),
+// not probed (probing is off: nothing says it is healthy but the proxies'
+// silence), or healthy.
 function originState(o) {
   if (o.drained) return "drained";
   if (!o.healthy) return "unhealthy";
-  return o.ejected ? "failing" : "healthy";
+  if (o.ejected) return "failing";
+  return o.probed === false ? "not probed" : "healthy";
 }
 
 function originLoad(o) {
@@ -189,9 +192,11 @@ function renderRegions(regions, departed) {
   const cards = regions.map((r) => {
     const origins = r.origins.map((o) => el("tr", { "data-origin": o.name },
       el("td", {}, o.name),
-      el("td", {}, el("span", { class: `state ${originState(o)}` }, originState(o)),
-        // Why, where the operator looks (trial 27: a tooltip of the load cell only).
-        !o.healthy && o.detail ? el("span", { class: "why" }, o.detail) : null,
+      el("td", {}, el("span", { class: `state ${originState(o).replace(" ", "-")}` },
+        originState(o)),
+        // Why, where the operator looks (trial 27: a tooltip of the load cell only);
+        // a healthy origin's says what its probe proved (a 401 to a probe without a key).
+        o.detail ? el("span", { class: o.healthy ? "why note" : "why" }, o.detail) : null,
         // What the proxies saw of its requests, which probes of /health miss.
         o.ejected ? el("span", { class: "why failing" }, o.ejected) : null),
       el("td", { title: o.detail }, originLoad(o),

@@ -103,6 +103,8 @@ class OriginSpec(_message.Message):
     CREDENTIAL_ENV_FIELD_NUMBER: _builtins.int
     CREDENTIAL_FILE_FIELD_NUMBER: _builtins.int
     CONTINUATION_FIELD_NUMBER: _builtins.int
+    PROBE_PATH_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
@@ -120,6 +122,18 @@ class OriginSpec(_message.Message):
     """"on" (or ""): the origin accepts continuation requests, as vLLM and
     SGLang do; "off" for hosted APIs that do not.
     """
+    probe_path: _builtins.str
+    """Where the leader probes the origin's health: an absolute path from the
+    root of base_url (scheme://host:port), e.g. "/" or "/api/version" for
+    Ollama, "/health/liveliness" for LiteLLM; "": the control plane's
+    --probe-path (default /health).
+    """
+    probe: _builtins.str
+    """"on" (or ""): the leader probes the origin; "off": never (a hosted API
+    that answers no path without a key): it counts as healthy, and the
+    proxies' passive health alone judges it. "off" with a probe_path is
+    INVALID_ARGUMENT.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -134,10 +148,12 @@ class OriginSpec(_message.Message):
         credential_env: _builtins.str = ...,
         credential_file: _builtins.str = ...,
         continuation: _builtins.str = ...,
+        probe_path: _builtins.str = ...,
+        probe: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "probe", b"probe", "probe_path", b"probe_path", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -219,6 +219,8 @@ class Origin(_message.Message):
     NO_CONTINUATION_FIELD_NUMBER: _builtins.int
     SERVER_KIND_FIELD_NUMBER: _builtins.int
     INFLIGHT_UNKNOWN_FIELD_NUMBER: _builtins.int
+    PROBE_PATH_FIELD_NUMBER: _builtins.int
+    NOT_PROBED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -256,6 +258,12 @@ class Origin(_message.Message):
     for it. Negative so that a table without the field keeps the meaning
     it had: measured.
     """
+    probe_path: _builtins.str
+    """The origin's own probe path (OriginSpec.probe_path; "": the control
+    plane's default), and whether probing is off for it (healthy is then
+    true, as no probe judges it: only the proxies' passive health does).
+    """
+    not_probed: _builtins.bool
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -276,10 +284,12 @@ class Origin(_message.Message):
         no_continuation: _builtins.bool = ...,
         server_kind: _builtins.str = ...,
         inflight_unknown: _builtins.bool = ...,
+        probe_path: _builtins.str = ...,
+        not_probed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "not_probed", b"not_probed", "probe_path", b"probe_path", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -390,6 +390,58 @@ def test_origin_update_keeps_what_it_is_not_given_and_says_what_changed(
     ctl(fleet, capsys, "origin", "delete", "rep2")
 
 
+def test_origin_probe_path_and_probing_off_round_trip(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Trial 66: Ollama has no /health, and a hosted API answers 401 to a
+    probe without its key (the control plane never holds it)."""
+    ctl(fleet, capsys, "apply", "-f", write(tmp_path, TOPOLOGY), "--prune")
+    ctl(fleet, capsys, "origin", "add", "ollama", "--url", "http://10.0.0.7:11434/v1",
+        "--region", "us-east", "--models", "llama-3-8b",
+        "--probe-path", "/api/version")  # fmt: skip
+    ctl(fleet, capsys, "origin", "add", "hosted", "--url", "https://api.example/v1",
+        "--region", "us-east", "--models", "llama-3-8b", "--credential-env", "HOSTED_KEY",
+        "--probe", "off")  # fmt: skip
+    table, _ = ctl(fleet, capsys, "get", "origins")
+    header, *lines = table.splitlines()
+    assert header.split()[-1] == "PROBE"
+    by_name = {line.split()[0]: line for line in lines}
+    assert "not probed" in by_name["hosted"] and by_name["hosted"].endswith(" off")
+    assert by_name["ollama"].endswith(" /api/version")
+    assert by_name["vllm-use1"].endswith(" default")
+    # The file form: read back, applied unchanged.
+    text, _ = ctl(fleet, capsys, "get", "origins", "-o", "yaml")
+    origins = {o["name"]: o for o in yaml.safe_load(text)["origins"]}
+    assert origins["ollama"]["probe_path"] == "/api/version" and "probe" not in origins["ollama"]
+    assert origins["hosted"]["probe"] is False and "probe_path" not in origins["hosted"]
+    assert "probe" not in origins["vllm-use1"] and "probe_path" not in origins["vllm-use1"]
+    out, _ = ctl(fleet, capsys, "apply", "-f", write(tmp_path, text))
+    assert "\n0 created, 0 updated, 0 deleted" in out, out
+    exported = export(fleet)["origins"]
+    assert isinstance(exported, list)
+    assert {o["name"]: (o.get("probe_path"), o.get("probe")) for o in exported} == {
+        "ollama": ("/api/version", None),
+        "hosted": (None, False),
+        "vllm-use1": (None, None),
+        "vllm-euw1": (None, None),
+    }
+    # --update keeps them, and each replaces the other, said as a change.
+    out, _ = ctl(fleet, capsys, "origin", "add", "ollama", "--update", "--capacity", "4")
+    assert out.strip().endswith("changed: capacity unknown -> 4"), out
+    out, _ = ctl(fleet, capsys, "origin", "add", "ollama", "--update", "--probe", "off")
+    assert out.strip().endswith("changed: probe /api/version -> off"), out
+    out, _ = ctl(fleet, capsys, "origin", "add", "ollama", "--update", "--probe-path", "/")
+    assert out.strip().endswith("changed: probe off -> /"), out
+    out, _ = ctl(fleet, capsys, "origin", "add", "ollama", "--update", "--probe-path", "")
+    assert out.strip().endswith("changed: probe / -> default"), out
+    # A file with the fleet-wide flag's name for it is refused at its field.
+    bad = TOPOLOGY.replace("models: [llama-3-8b]}", "models: [llama-3-8b], health_path: /}")
+    _, err = ctl(fleet, capsys, "apply", "-f", write(tmp_path, bad), code=2)
+    assert "unknown field(s) health_path" in err and "probe_path, probe" in err, err
+    for name in ("ollama", "hosted"):
+        ctl(fleet, capsys, "origin", "delete", name)
+
+
 def export(fleet: Fleet) -> dict[str, object]:
     doc: dict[str, object] = json.loads(fleet.admin().Export(apb.ListRequest(), timeout=5).document)
     return doc
@@ -425,6 +477,10 @@ def export(fleet: Fleet) -> dict[str, object]:
           "--capacity", "-1"], "--capacity: -1 is not in 0..1000000"),
         (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", ","],
          "must serve at least one model"),
+        (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", "m",
+          "--probe-path", "health"], "probe path 'health' of origin 'o' is not an absolute path"),
+        (["origin", "add", "o", "--url", "http://h/v1", "--region", "us-east", "--models", "m",
+          "--probe-path", "/", "--probe", "off"], "a probe path with probing off"),
     ],
 )  # fmt: skip
 def test_bad_values_exit_2_with_one_line_and_nothing_written(

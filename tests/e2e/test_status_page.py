@@ -527,15 +527,22 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
     region = cast(list[dict[str, object]], FAKE_STATUS["regions"])[0]
     origin = cast(list[dict[str, object]], region["origins"])[0]
     well = {**origin, "name": "o-ok", "healthy": True, "detail": ""}
+    ejected_text = "ejected by p-us (ejected now) for 9 s"
     down = {**origin, "name": "o-down", "detail": "probe timed out after 1.0s"}
     # Its probes pass, but the proxies ejected it for failing their requests.
-    failing = {**well, "name": "o-failing", "ejected": "ejected by p-us (ejected now) for 9 s"}
+    failing = {**well, "name": "o-failing", "ejected": ejected_text}
+    # Trial 66: an origin with probing off read "healthy"; one whose keyless
+    # probe was answered 401 passes, and says so.
+    unprobed = {**well, "name": "o-hosted", "probed": False}
+    keyed = {**well, "name": "o-keyed", "detail": "probe answered 401 at /health: up"}
     shown = {}
     for name, origins, drained in (
         ("ok", [well], False),
         ("degraded", [well, down], False),
         ("failing", [well, failing], False),
         ("failing alone", [failing], False),
+        ("not probed", [unprobed, keyed], False),
+        ("not probed, failing", [{**unprobed, "ejected": ejected_text}], False),
         ("down", [down], False),
         ("idle", [{**well, "drained": True}], False),
         ("drained", [down], True),
@@ -554,13 +561,21 @@ def test_a_regions_card_says_what_its_marker_shows_and_why_an_origin_is_down(
         )
     fills = {name: got.pop() for name, got in shown.items()}
     why = ["probe timed out after 1.0s"]
-    ejected = ["ejected by p-us (ejected now) for 9 s"]
+    ejected = [ejected_text]
     assert shown == {
         "ok": ["serving", "ok", "marker ok", [], ["healthy"]],
         "degraded": ["degraded", "degraded", "marker degraded", why, ["healthy", "unhealthy"]],
         "failing": ["degraded", "degraded", "marker degraded", ejected, ["healthy", "failing"]],
         # Still tried (ejected origins go last, not never): not down.
         "failing alone": ["degraded", "degraded", "marker degraded", ejected, ["failing"]],
+        "not probed": [
+            "serving",
+            "ok",
+            "marker ok",
+            ["probe answered 401 at /health: up"],
+            ["not probed", "healthy"],
+        ],
+        "not probed, failing": ["degraded", "degraded", "marker degraded", ejected, ["failing"]],
         "down": ["down", "down", "marker down", why, ["unhealthy"]],
         # Review 46: every origin drained, the region not: nothing serves.
         "idle": ["no origin", "idle", "marker idle", [], ["drained"]],

@@ -104,6 +104,7 @@ EVERY_FIELD: Doc = {
                 "capacity": 64,
                 "credential_env": "ORIGIN_USE1_KEY",
                 "continuation": False,
+                "probe_path": "/health",
                 "drained": False,
             },
             {
@@ -113,6 +114,7 @@ EVERY_FIELD: Doc = {
                 "models": ["llama-3-8b"],
                 "weight": 1,
                 "credential_file": "/etc/ponto/keys/euw1",
+                "probe": False,
             },
         ],
         "tenants": [
@@ -217,6 +219,7 @@ def test_a_topology_with_every_field_apply_takes_renders_and_parses(
     desired = topology_apply.parse(yaml.safe_load(text))
     assert [o.name for o in desired.origins] == ["vllm-use1", "vllm-euw1"]
     assert desired.origins[0].continuation is False
+    assert desired.origins[0].probe_path == "/health" and desired.origins[1].probe is False
     acme = desired.tenants[0]
     assert acme.routing.load_bound == pytest.approx(1.25)
     assert acme.streams.hedge_auto is True
@@ -240,6 +243,10 @@ def _tenant(**fields: Any) -> Doc:
         (_origin(weight=0), "weight"),
         (_origin(weight=1001), "weight"),
         (_origin(credential_env="K", credential_file="/k"), "origins.0"),
+        # Relative: apply wants it from the origin's root.
+        (_origin(probe_path="health"), "probe_path"),
+        (_origin(probe_path="/health#x"), "probe_path"),
+        (_origin(probe_path="/", probe=False), "origins.0"),
         (_tenant(cache={"semantic_threshold": 0.3}), "semantic_threshold"),
         (_tenant(cache={"semantic_max_error": 0.5}), "semantic_max_error"),
         (_tenant(routing={"mode": "random"}), "routing.mode"),
