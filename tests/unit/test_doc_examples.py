@@ -48,7 +48,12 @@ def topology_examples() -> list[tuple[str, dict[str, Any]]]:
 
 async def test_the_docs_apply_examples_pass_a_dry_run() -> None:
     examples = topology_examples()
-    assert {name for name, _ in examples} == {"README.md", "helm.md", "security.md"}
+    assert {name for name, _ in examples} == {
+        "README.md",
+        "helm.md",
+        "operations.md",
+        "security.md",
+    }
     # The README shows where a tenant's aliases go: under prompt:.
     assert any(
         t.get("prompt", {}).get("aliases")
