@@ -1027,6 +1027,8 @@ class Pipeline:
         if end.cut and resume is None:  # the hook counts the cuts it sees
             m.continuations.labels("refused").inc()  # off, or not continuable
             m.stream_cut(name)
+            if not end.too_long:
+                self.forwarder.stream_cut(name, end.cut)
             why = (
                 "the tenant turned continuation off"
                 if not rules.continuation
@@ -1038,6 +1040,7 @@ class Pipeline:
             )  # fmt: skip
         elif end.complete:
             m.attempt(name, "ok").inc()
+            self.forwarder.stream_answered(name)
             if resume is None or not resume.count:
                 origin.ended()  # its body's end may still be on its way
         elif end.client_gone:

@@ -29,7 +29,7 @@ from dataplane import jsonio
 from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.routes import Target
-from dataplane.streaming.relay import Next, OwnEnd
+from dataplane.streaming.relay import ERROR_EVENT, Next, OwnEnd
 from dataplane.streaming.splice import (
     Splicer,
     StreamState,
@@ -105,6 +105,9 @@ class Continuations:
             end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
             return Next(end, _Ended(), _unchanged, length=True)
         m.attempt(name, "cut_after_start").inc()
+        if not too_long and cut != ERROR_EVENT:
+            # Against its health as a 5xx is (Forwarder.stream_cut says which cuts).
+            self._forwarder.stream_cut(name, cut)
         if too_long:
             # As for a whole answer past the bound (errors.upstream_too_large):
             # another origin asked the same would make as long an event.

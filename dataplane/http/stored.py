@@ -282,8 +282,12 @@ async def _relay(
         idle_timeout=idle,
         max_event_bytes=pipeline.forwarder.max_answer_bytes,
     )
+    forwarder = pipeline.forwarder
     if end.complete:
         origin.ended()
+        forwarder.stream_answered(origin.target.name)
+    elif end.cut and not end.too_long:
+        forwarder.stream_cut(origin.target.name, end.cut)
     return out
 
 

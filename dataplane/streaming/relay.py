@@ -70,6 +70,7 @@ from dataplane.timer import IdleTimeout
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 
 __all__ = [
+    "ERROR_EVENT",
     "ChunkSink",
     "Ending",
     "EventSink",
@@ -224,6 +225,9 @@ class RelayEnd:
     client_gone: bool = False
     # What the parser held when the stream ended (see SseParser.close).
     open_event: Event | None = None
+    # The bound (--max-answer-bytes) an event passed, when that made the
+    # `cut` (0 otherwise): the request's doing as much as the origin's.
+    too_long: int = 0
 
 
 async def relay(
@@ -397,7 +401,7 @@ async def _relay_bytes(
                             if chunks is not None:
                                 chunks.chunk(before_long)
                             await out.write(before_long)
-                        end.cut = _too_long(max_event_bytes)
+                        end.cut, end.too_long = _too_long(max_event_bytes), max_event_bytes
                         await out.write(_ending(error_event, last, max_event_bytes))
                         break
                     if trimmed:
@@ -424,7 +428,7 @@ async def _relay_bytes(
                             end.complete = True
                             break
             if parser.over or parser.held > max_event_bytes:
-                end.cut = _too_long(max_event_bytes)
+                end.cut, end.too_long = _too_long(max_event_bytes), max_event_bytes
                 await out.write(_ending(error_event, last, max_event_bytes))
                 break
             try:
@@ -525,7 +529,7 @@ async def _relay_events(
                             cut = str(exc) or type(exc).__name__
                             break
                     elif is_error_event(ev.data):
-                        cut = "the origin sent an error event"
+                        cut = ERROR_EVENT
                         break
                 if data is None:
                     continue
@@ -580,7 +584,7 @@ async def _relay_events(
                 break
             following = await resume(cut, too_long)
             if following is None:
-                end.cut = cut
+                end.cut, end.too_long = cut, too_long
                 await out.write(_ending(error_event, last, too_long))
                 break
             if following.origin:
@@ -653,6 +657,8 @@ def _client_left(end: RelayEnd) -> None:
 # whole; a body's end is only the connection's (a chunked body's last chunk).
 ENDED_EARLY: Final = "the origin's body ended before the answer's last event"
 ENDED_INSIDE_EVENT: Final = "the origin's body ended inside an event"
+# Why a continued stream stopped at an origin's in-band error event.
+ERROR_EVENT: Final = "the origin sent an error event"
 
 # The events that end a Responses stream, which has no `data: [DONE]`.
 RESPONSES_ENDS: Final = frozenset(

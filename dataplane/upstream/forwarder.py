@@ -914,10 +914,37 @@ class Forwarder:
 
     def _won(self, answer: OriginAnswer) -> None:
         name = answer.target.name
-        self.outliers.success(name)
         if answer.streamed:
-            return  # counted "ok" by the relay once the stream has ended
+            # Counted "ok" by the relay once the stream has ended, and only
+            # then a success for the origin's health (`stream_answered`): an
+            # origin that opens every stream and cuts each partway would
+            # otherwise reset its failures at every open, and never be ejected
+            # (trial 65: 817 cuts, 0 ejections). An error answered as a stream
+            # is not relayed (the pipeline answers it whole): it answered.
+            if answer.status >= 400:
+                self.outliers.success(name)
+            return
+        self.outliers.success(name)
         self._metrics.attempt(name, "ok").inc()
+
+    def stream_answered(self, origin: str) -> None:
+        """A stream `origin` committed to ended with the answer's end: a
+        success for its passive health. Called by whoever relays the stream,
+        once it has ended (dataplane.http.pipeline, stored)."""
+        self.outliers.success(origin)
+
+    def stream_cut(self, origin: str, why: str) -> None:
+        """`origin` broke off a stream it had committed to (`why`, as the
+        relay says: its connection dropped, its body ended before the
+        answer's last event, or it stalled past the idle timeout): a failure
+        for its passive health, as a 5xx is, which ejects it after
+        `consecutive` in a row. Called by whoever relays the stream; not for
+        a client that left, a stream the proxy cancelled (a hedge lost, the
+        server stopping), an event past --max-answer-bytes (another origin
+        would make as long a one, as for a whole answer), or an in-band
+        error event (its blame is not read mid-stream: a request must not
+        eject origins)."""
+        self._failure(origin, f"cut a stream: {why}")
 
     def _failed(self, target: Target, exc: _Retryable, tries: _Tries) -> None:
         self._metrics.attempt(target.name, exc.outcome).inc()

@@ -231,6 +231,7 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
         "PontoProxyNoControlPlane",
         "PontoProxyDown",
         "PontoOriginFailing",
+        "PontoOriginCuttingStreams",
         "PontoProxyLoadsStale",
         "PontoHighErrorRatio",
         "PontoRegionSpilling",

@@ -27,6 +27,7 @@ ALERTS = {
     "PontoProxyDown",
     "PontoOriginDown",
     "PontoOriginFailing",
+    "PontoOriginCuttingStreams",
     "PontoOriginLoadsStale",
     "PontoProxyLoadsStale",
     "PontoRegionDrainedTooLong",
