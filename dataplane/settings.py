@@ -310,7 +310,8 @@ def parse(argv: list[str]) -> Settings:
         "--read-timeout",
         type=finite_float,
         default=300.0,
-        help="seconds to wait for an origin's response headers, and between chunks "
+        help="seconds from sending a request to an origin until its response headers "
+        "and first body byte have all come (one deadline), and then between chunks "
         "(default: %(default)s)",
     )
     p.add_argument(

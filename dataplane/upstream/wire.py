@@ -32,9 +32,12 @@ weight and does the rest:
 - **the answer** is parsed by aiohttp's C parser (llhttp) in `OriginConnection`,
   a bare `asyncio.Protocol`: gzip and deflate bodies come decompressed, a body
   without a length ends with the connection, interim (1xx) answers are
-  skipped, and `read_timeout` seconds without a byte of the answer fail the
-  call (or its body's read). A redirect is not followed: an origin's 3xx is
-  its answer (the Forwarder refuses it as a misconfigured base URL).
+  skipped, and the call fails unless its head and its body's first byte come
+  within `read_timeout` seconds of sending it (one deadline: an origin that
+  drips its head is not given it again at each byte), and then its body's read
+  once `read_timeout` seconds pass without a byte of it. A redirect is not
+  followed: an origin's 3xx is its answer (the Forwarder refuses it as a
+  misconfigured base URL).
 
 Errors are aiohttp's, as under a ClientSession: `aiohttp.ClientError`
 subclasses for connection and protocol failures (`ClientPayloadError` for an
@@ -199,7 +202,10 @@ class OriginConnection(BaseProtocol):
         return head
 
     def start_timeout(self) -> None:
-        """The read timeout runs from now (the request handed to the socket)."""
+        """The read timeout runs from now (the request handed to the socket):
+        one deadline for the whole head and the body's first byte, which the
+        head's bytes do not move; from the body's first byte on, each byte
+        starts it over."""
         self._time_the_origin()
 
     def time_reads(self, read_timeout: float | None) -> None:
@@ -270,7 +276,11 @@ class OriginConnection(BaseProtocol):
             self.close()
             return
         lingering = self._lingering
-        if data and lingering is None:  # a byte of the answer: the timeout starts over
+        if data and lingering is None and self._head is None:
+            # A byte of the body: the timeout starts over. Not one of the head,
+            # which is due whole within the timeout of the request's sending,
+            # one deadline (trial 65: an origin that dripped its head a byte a
+            # second held a stream's first-chunk failover to 84.7 s of 60).
             self._time_the_origin()
         try:
             messages, _, _ = parser.feed_data(data)
@@ -304,6 +314,11 @@ class OriginConnection(BaseProtocol):
             else:
                 self._payload = payload
                 payload.on_eof(self._answered)
+                if payload.total_bytes:
+                    # Its first bytes came with the head: the gaps of the rest
+                    # are timed from here. Else the first is due by the head's
+                    # deadline (a stream's first chunk, --first-chunk-timeout).
+                    self._time_the_origin()
             if not head.done():  # else the call was cancelled, and closes this
                 head.set_result((message, payload))
 

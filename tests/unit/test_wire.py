@@ -850,6 +850,108 @@ async def test_an_origin_that_never_answers_times_out_and_its_connection_closes(
     assert origin.connections == 2
 
 
+def dripping(answer: bytes, gap: float, sent: list[int]) -> Answer:
+    """An answer written a byte at a time, `gap` seconds apart (each well
+    under the read timeout, all of them far over it); `sent` counts the
+    bytes written."""
+
+    async def drip(request: bytes, writer: asyncio.StreamWriter) -> bool:
+        with contextlib.suppress(ConnectionError):
+            for at in range(len(answer)):
+                if writer.is_closing():
+                    break
+                writer.write(answer[at : at + 1])
+                await writer.drain()
+                sent[0] = at + 1
+                await asyncio.sleep(gap)
+        return False
+
+    return drip
+
+
+async def test_an_origin_dripping_its_head_times_out_within_one_read_timeout(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # Trial 65: each byte of the head started the read timeout over, and an
+    # origin sending its head a byte a second held the call as long as it liked.
+    timeout = 0.25
+    wire = wires(read_timeout=timeout)
+    sent = [0]
+    origin.answer = dripping(OK, timeout / 10, sent)
+    with pytest.raises(aiohttp.ServerTimeoutError):
+        async with asyncio.timeout(BOUND):
+            await wire.post(origin.url(), b"{}", no_headers())
+    assert 0 < sent[0] < OK.index(b"\r\n\r\n")  # cut while the head still dripped
+
+
+class Clock:
+    """The running loop's clock, moved by the test (its timers fire on the
+    loop's next turn once it has passed them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(asyncio.get_running_loop(), "time", lambda: self.now)
+
+    async def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for _ in range(3):  # the timer's turn, then its callback's
+            await asyncio.sleep(0)
+
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+async def test_a_heads_bytes_do_not_start_the_read_timeout_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock(monkeypatch)
+    conn, transport = fed_connection()
+    head = conn.expect(1.0)
+    conn.start_timeout()
+    for at in range(len(STREAM_HEAD) - 1):  # all but its last byte, each 0.1 s apart
+        conn.data_received(STREAM_HEAD[at : at + 1])
+        await clock.advance(0.1)
+    assert head.done()
+    assert isinstance(head.exception(), TimeoutError)
+    assert transport.closed
+    conn.connection_lost(None)
+
+
+async def test_the_bodys_first_byte_is_due_by_the_heads_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock(monkeypatch)
+    conn, _ = fed_connection()
+    head = conn.expect(1.0)
+    conn.start_timeout()
+    await clock.advance(0.6)
+    conn.data_received(STREAM_HEAD)
+    _, payload = await head
+    await clock.advance(0.6)  # 1.2 s from sending, without a byte of the body
+    assert isinstance(payload.exception(), TimeoutError)
+    conn.connection_lost(None)
+
+
+async def test_after_the_bodys_first_byte_each_byte_starts_the_read_timeout_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock(monkeypatch)
+    conn, _ = fed_connection()
+    head = conn.expect(1.0)
+    conn.start_timeout()
+    await clock.advance(0.6)
+    conn.data_received(STREAM_HEAD + b"1\r\na\r\n")  # the body's first byte with the head
+    _, payload = await head
+    for _ in range(3):  # 0.9 s apart: 3.3 s from sending in all
+        await clock.advance(0.9)
+        conn.data_received(b"1\r\nb\r\n")
+    assert payload.exception() is None
+    assert await payload.readany() == b"abbb"
+    conn.connection_lost(None)
+
+
 async def test_a_call_waiting_for_a_free_connection_is_not_timed_out_by_connect(
     wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
