@@ -331,8 +331,9 @@ def parse(argv: list[str]) -> Settings:
         type=finite_float,
         default=60.0,
         metavar="SECONDS",
-        help="a stream with no chunk for this long counts as cut and is continued on "
-        "another origin (default %(default)s; a tenant's own setting wins)",
+        help="a stream with no chunk for this long (after its first event, no event: "
+        "comments do not count) counts as cut and is continued on another origin "
+        "(default %(default)s; a tenant's own setting wins)",
     )
     p.add_argument(
         "--first-chunk-timeout",

@@ -221,6 +221,11 @@ class IdleTimeout:
     started once and fires about once per `delay` of a long wait. `close()`
     (when the waits are done) cancels it. `cap()` shortens the waits for a
     while (a stream whose origin the route table marks unhealthy).
+
+    Once `progress()` is called (a stream's event came), the blocks after it
+    are bounded together, from the start of the first of them, until the
+    next `progress()`: what ends a block without progress (an origin's SSE
+    comments) does not start the bound over.
     """
 
     __slots__ = (
@@ -228,8 +233,11 @@ class IdleTimeout:
         "_cancelling",
         "_delay",
         "_due",
+        "_entered",
         "_expired",
         "_loop",
+        "_progress",
+        "_since",
         "_task",
         "_timer",
     )
@@ -252,11 +260,21 @@ class IdleTimeout:
         self._due = 0.0  # loop time the running block's deadline passes
         self._cancelling = 0
         self._expired = False
+        self._entered = 0.0  # loop time the running (or last) block started
+        # The start of the first block since the last progress (None: no
+        # progress yet, each block from its own start), and whether progress
+        # came since that block.
+        self._since: float | None = None
+        self._progress = False
 
     def __enter__(self) -> IdleTimeout:
         self._cancelling = self._task.cancelling()
         self._expired = False
-        self._due = self._loop.time() + self._delay
+        now = self._entered = self._loop.time()
+        if self._progress:
+            self._since, self._progress = now, False
+        since = self._since
+        self._due = (now if since is None else since) + self._delay
         self._timer.arm_at(self._due, self._late)
         return self
 
@@ -290,6 +308,18 @@ class IdleTimeout:
             # A later deadline leaves the timer due first, which waits again (_late).
             self._due += self._delay - before
             self._timer.arm_at(self._due, self._late)
+
+    def progress(self) -> None:
+        """Progress came (called between blocks): the next block, and those
+        after it until the next progress, are bounded from that block's start."""
+        self._progress = True
+
+    @property
+    def without_progress(self) -> bool:
+        """The last block began after others that came without progress
+        since the last (it was bounded from an earlier block's start)."""
+        since = self._since
+        return since is not None and since < self._entered
 
     def close(self) -> None:
         self._timer.close()

@@ -249,7 +249,8 @@ async def relay(
 ) -> RelayEnd:
     """Write `first`, then the rest of `content`, to the prepared `out`.
 
-    A cut (read error, timeout, no chunk for `idle_timeout` seconds, an
+    A cut (read error, timeout, no chunk for `idle_timeout` seconds (after
+    the first event, no event: comments do not count), an
     event longer than `max_event_bytes`, which would all be held, or the
     body's end before the answer's last event, clean or not) writes
     `error_event` (or what it makes of the last event relayed) and returns
@@ -286,6 +287,10 @@ async def relay(
     """
     # One timer for the whole stream, not one per chunk (dataplane.timer).
     idle = IdleTimeout(idle_timeout) if idle_timeout is not None else None
+    if idle is not None:
+        # Bounded from the stream's start, then from each event, never from
+        # a comment: see _relay_events.
+        idle.progress()
     if idle is None:
         watch = None
     elif watch is not None:
@@ -363,7 +368,10 @@ async def _relay_bytes(
     trimmed: list[tuple[bytes, bytes | None]] = []
     try:
         while True:
-            for ev in parser.feed(chunk):
+            events = parser.feed(chunk)
+            if events and idle is not None:
+                idle.progress()  # see _relay_events
+            for ev in events:
                 for reader in readers:
                     reader.event(ev)
                 before, last = last, ev
@@ -517,7 +525,18 @@ async def _relay_events(
             cut = ""
             too_long = 0  # the bound, when an event passing it made the cut
             frames: list[bytes] = []
-            for parsed in parser.feed(chunk):
+            events = parser.feed(chunk)
+            if events and idle is not None:
+                # The idle timeout counts from the last event, not from the
+                # last byte: an origin's comments (which the client is sent a
+                # keep-alive for) keep no stalled stream open (trial 65: one
+                # event, then `:` every second, held a stream 11 minutes).
+                # Before its first event, a queue's or a prefill's comments
+                # were the forwarder's to wait through (`first_chunk_within`,
+                # from the call); a stream committed without one (more
+                # comments than it holds) counts from its start.
+                idle.progress()
+            for parsed in events:
                 ev = parsed
                 data: bytes | None = ev.data
                 if not ev.done:
@@ -594,6 +613,8 @@ async def _relay_events(
                 end.truncated = following.length
             if watch is not None:
                 watch.move(following.origin)
+            if idle is not None:
+                idle.progress()  # another origin's stream: bounded from its start
             parser = SseParser(max_event_bytes)
             chunk, content, rewrite = following.first, following.content, following.rewrite
         eof = True
@@ -798,9 +819,11 @@ async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:
 
 def _why(exc: BaseException, idle: IdleTimeout | None) -> str:
     if isinstance(exc, TimeoutError) and idle is not None:
+        # Comments alone came since the last event: not a chunk of the answer.
+        what = "no event, only comments," if idle.without_progress else "no chunk"
         if idle.capped:
-            return f"no chunk for {idle.delay:g} s from an origin the route table marks unhealthy"
-        return f"no chunk for {idle.delay:g} s"
+            return f"{what} for {idle.delay:g} s from an origin the route table marks unhealthy"
+        return f"{what} for {idle.delay:g} s"
     if isinstance(exc, aiohttp.ClientPayloadError):
         # Its text ends with the parser's error as "<...Error: 400, message=...>":
         # aiohttp's own code, not a status the origin sent (trial 45). The

@@ -951,3 +951,57 @@ async def test_the_event_relay_writes_a_keep_alive_for_the_origins_comments(
     assert end.complete
     pings = [KEEP_ALIVE] * (2 if advance else 1)
     assert out.written == [HALF_WAY[0], *pings, HALF_WAY[1], b"data: [DONE]\n\n"]
+
+
+class Paced(Content):
+    """An origin's body whose chunks come `gap` seconds apart."""
+
+    def __init__(self, gap: float, *chunks: bytes) -> None:
+        super().__init__(*chunks)
+        self._gap = gap
+
+    async def readany(self) -> bytes:
+        await asyncio.sleep(self._gap)
+        return await super().readany()
+
+
+async def test_a_continuations_stream_is_bounded_from_its_start_not_the_last_event() -> None:
+    # After an event, comments alone do not start the idle timeout over (0.4 s
+    # here); a continuation's stream counts from its start, not from the
+    # first origin's last event, before the continuation call (0.3 s).
+    async def resume(cut: str, too_long: int) -> Next | None:
+        if resumed:
+            return None
+        resumed.append(cut)
+        await asyncio.sleep(0.3)  # the continuation call
+        rest = Paced(0.1, b": queued\n\n", b'data: {"b":2}\n\n', b"data: [DONE]\n\n")
+        return Next(b": queued\n\n", rest, lambda data: data, "o2")
+
+    resumed: list[str] = []
+    out = Out()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Dropping(),
+        cast(web.StreamResponse, out),
+        idle_timeout=0.4,
+        resume=resume,
+    )
+    assert end.complete and not end.cut, end
+    assert len(resumed) == 1
+    assert out.written[-2:] == [b'data: {"b":2}\n\n', b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_comments_after_an_event_do_not_start_the_idle_timeout_over(
+    continuable: bool,
+) -> None:
+    out = Out()
+    end = await relay(
+        b'data: {"a":1}\n\n',
+        Paced(0.05, *[b": ping\n\n"] * 40, b"data: [DONE]\n\n"),
+        cast(web.StreamResponse, out),
+        idle_timeout=0.3,
+        resume=no_resume if continuable else None,
+    )
+    assert end.cut == "no event, only comments, for 0.3 s"
+    assert b"data: [DONE]\n\n" not in out.written

@@ -403,6 +403,50 @@ def test_a_cap_over_the_delay_changes_nothing_and_lifting_it_restores_the_delay(
     idle.close()
 
 
+def cut_at(loop: FakeLoop, task: FakeTask) -> float:
+    """Run the timers until the task is cancelled; when that was."""
+    while not task.cancels:
+        loop.fire(min(loop.pending(), key=lambda t: t.when()))
+    return loop.now
+
+
+def test_after_progress_waits_without_it_are_bounded_together(loop: FakeLoop) -> None:
+    # A stream's event, then reads of comments only, 4 s apart each: the
+    # bound counts from the first read after the event (trial 65: comments
+    # every second held a stalled stream 11 minutes).
+    idle, task = idle_on(loop)
+    with idle:  # before any progress: each wait from its own start
+        loop.now = 105.0
+    with idle:
+        loop.now = 109.0
+    idle.progress()  # the read brought an event
+    with idle:  # from 109.0: due at 119.0
+        loop.now = 113.0
+    said = [idle.without_progress]  # of the first wait since the event: no
+    with idle:
+        loop.now = 117.0
+    with pytest.raises(TimeoutError), idle:  # entered at 117.0, due at 119.0 all the same
+        assert cut_at(loop, task) == 119.0
+        raise asyncio.CancelledError
+    said.append(idle.without_progress)  # of one after comments: yes
+    assert said == [False, True]
+    idle.close()
+
+
+def test_progress_starts_the_bound_over(loop: FakeLoop) -> None:
+    idle, task = idle_on(loop)
+    idle.progress()
+    with idle:  # due at 110.0
+        loop.now = 108.0
+    idle.progress()
+    with idle:
+        loop.now = 115.0
+    with pytest.raises(TimeoutError), idle:
+        assert cut_at(loop, task) == 118.0
+        raise asyncio.CancelledError
+    idle.close()
+
+
 async def test_on_a_real_loop_a_stalled_wait_ends_in_timeout_error() -> None:
     idle = IdleTimeout(0.01)
     current = asyncio.current_task()
