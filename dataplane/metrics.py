@@ -889,14 +889,17 @@ class Metrics:
                 cells[1].observe(usage.completion_tokens)
 
     def origins_named(self, origins: Iterable[str]) -> None:
-        """The origins a table names (each apply): their ejection counters
-        are exported from 0, so that increase() in PontoOriginFailing sees the
-        first ejection (a series born at 1 has no increase). Origins a later
+        """The origins a table names (each apply): their ejection and stream
+        cut counters are exported from 0, so that increase() in
+        PontoOriginFailing sees the first ejection, and rate() in
+        PontoOriginCuttingStreams the first cuts (a series born at 1 has no
+        increase). Origins a later
         table drops keep their series, as their other per-origin series do
         (ponto_upstream_attempts_total, ...): a series that vanished and came
         back would read as a counter reset."""
         for origin in origins:
             self.ejections.labels(origin)
+            self.stream_cuts.labels(origin)
 
     def endpoints_proxied(self, endpoints: Iterable[str]) -> None:
         """The proxied endpoints (at startup): their ponto_requests_not_cached

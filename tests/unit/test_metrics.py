@@ -163,17 +163,19 @@ def test_the_mean_chunk_interval_is_one_observation_per_stream() -> None:
     assert get(f"{name}_bucket", {**labels, "le": "0.05"}) == 1
 
 
-def test_an_origin_the_table_names_has_its_ejections_at_zero() -> None:
+@pytest.mark.parametrize("name", ["ponto_origin_ejections_total", "ponto_stream_cuts_total"])
+def test_an_origin_the_table_names_has_its_ejections_and_cuts_at_zero(name: str) -> None:
     m = Metrics()
     get = m.registry.get_sample_value
-    assert get("ponto_origin_ejections_total", {"origin": "o1"}) is None
+    assert get(name, {"origin": "o1"}) is None
     m.origins_named(["o1", "o2"])
-    assert get("ponto_origin_ejections_total", {"origin": "o1"}) == 0
-    assert get("ponto_origin_ejections_total", {"origin": "o2"}) == 0
+    assert get(name, {"origin": "o1"}) == 0
+    assert get(name, {"origin": "o2"}) == 0
     m.ejections.labels("o1").inc()
+    m.stream_cuts.labels("o1").inc()
     m.origins_named(["o1"])  # again, or without o2: counts stay
-    assert get("ponto_origin_ejections_total", {"origin": "o1"}) == 1
-    assert get("ponto_origin_ejections_total", {"origin": "o2"}) == 0
+    assert get(name, {"origin": "o1"}) == 1
+    assert get(name, {"origin": "o2"}) == 0
 
 
 def test_the_proxied_endpoints_have_their_not_cached_answers_at_zero() -> None:
