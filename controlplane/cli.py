@@ -786,7 +786,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stream-idle-timeout",
         type=finite_float,
         metavar="SECONDS",
-        help="a stream with no chunk for this long counts as cut (0: the proxy's default)",
+        help="a stream with no chunk for this long (no event, once it had one: comments do "
+        "not count) counts as cut (0: the proxy's default)",
     )
     ts.add_argument(
         "--hedge-ms",
