@@ -658,6 +658,9 @@ class Pipeline:
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
                 model=ex.model,
+                plain_body=(lambda: jsonio.dumps(ex.body) if ex.rewritten else ex.raw)
+                if ex.usage_added
+                else None,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

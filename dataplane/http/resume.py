@@ -149,6 +149,7 @@ class Continuations:
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
                 model=ex.model,
+                plain_body=(lambda: jsonio.dumps(body)) if ex.usage_added else None,
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call

@@ -176,6 +176,7 @@ ORIGIN_TIMED_OUT = 408
 # a 502 like a refused credential. Passed on, the SDK raised an error telling
 # the client to pay, and no other origin was tried (trial 51).
 PAYMENT_REQUIRED = 402
+BAD_REQUEST = 400
 # An origin that redirects a POST is misconfigured (its base URL wants https,
 # or a trailing slash): its answer is not one, and following it would resend
 # the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
@@ -379,6 +380,15 @@ class _Tries:
     model: str = ""
     # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
     model_missing: int = 0
+    # The body as the client's request made it, when the one sent adds
+    # `stream_options.include_usage` for the proxy's count (forward's
+    # `plain_body`); sent instead to an origin that refuses the member.
+    plain_body: Callable[[], bytes] | None = None
+
+
+class _StreamOptionsRefused(Exception):
+    """An origin answered 400 naming `stream_options`, which the proxy had
+    added: the call is made again without it (Forwarder._call)."""
 
 
 @dataclass(slots=True)
@@ -441,6 +451,24 @@ class Forwarder:
         self.stalls.usual = self.commit_times.p95
         # Per origin: one that lacks a model it is listed for (MODEL_MISSING).
         self._missing_told: dict[str, Throttled] = {}
+        # Origins that refused the `stream_options` the proxy adds (forward's
+        # `plain_body`): asked without it from then on, by this process.
+        self.refuses_stream_options: set[str] = set()
+
+    def _refused_stream_options(self, origin: str, answer: bytes) -> None:
+        """`origin` answered 400 naming the `stream_options` the proxy added:
+        said once per origin and process, with the origin's words."""
+        if origin in self.refuses_stream_options:
+            return
+        self.refuses_stream_options.add(origin)
+        said = answer[:200].decode("utf-8", "replace")
+        log.warning(
+            "origin %s refuses stream_options (it answered 400: %s); its streams go without "
+            "it from now on, counted by their events, not its usage "
+            "(--origin-stream-usage client asks no origin for it)",
+            origin,
+            said,
+        )
 
     async def close(self) -> None:
         """Close the idle connections to origins (calls under way end theirs)."""
@@ -510,6 +538,7 @@ class Forwarder:
         method: str | None = None,
         tenant: str = "",
         model: str = "",
+        plain_body: Callable[[], bytes] | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -562,11 +591,24 @@ class Forwarder:
         ponto_origin_model_missing_total, not against its health: it may
         serve its other models well); when every origin tried says so,
         ApiError 404 model_not_found.
+
+        `plain_body`: makes `body` without the `stream_options.include_usage` the
+        proxy added to count a stream by its origin's usage
+        (--origin-stream-usage always). An origin that refuses the member (a
+        400 naming it: older Azure OpenAI API versions, some servers) is asked
+        again at once with `plain_body`, and always with it from then on in
+        this process (said once, at WARNING); its streams are then counted by
+        their events, as for a client that asks for no usage with
+        --origin-stream-usage client.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
         tries = _Tries(
-            loop.time() + settings.deadline - spent_s, method=method, tenant=tenant, model=model
+            loop.time() + settings.deadline - spent_s,
+            method=method,
+            tenant=tenant,
+            model=model,
+            plain_body=plain_body,
         )
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
@@ -1079,8 +1121,38 @@ class Forwarder:
         stream: bool,
         tries: _Tries | None = None,
     ) -> OriginAnswer:
+        """One call to `target` (`_call_once`); made again without the
+        `stream_options` the proxy added when the origin refuses it (a
+        review: every stream of a client that asked for no usage got the
+        origin's 400 naming a member it never sent, and nothing said why)."""
+        plain = tries.plain_body if tries is not None else None
+        if plain is None:
+            return await self._call_once(target, path, body, headers, attempt, stream, tries)
+        if target.name in self.refuses_stream_options:
+            return await self._call_once(target, path, plain(), headers, attempt, stream, tries)
+        try:
+            return await self._call_once(
+                target, path, body, headers, attempt, stream, tries, usage_added=True
+            )
+        except _StreamOptionsRefused:
+            return await self._call_once(target, path, plain(), headers, attempt, stream, tries)
+
+    async def _call_once(
+        self,
+        target: Target,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        attempt: int,
+        stream: bool,
+        tries: _Tries | None = None,
+        *,
+        usage_added: bool = False,
+    ) -> OriginAnswer:
         """One call to `target`, cut once the route table marks it unhealthy
-        before it has answered (dataplane.upstream.stalls: `watch`)."""
+        before it has answered (dataplane.upstream.stalls: `watch`).
+        `usage_added`: `body` holds the `stream_options` the proxy added;
+        raises _StreamOptionsRefused when the origin refuses it."""
         if target.credential is not None:
             try:
                 authorization = target.credential.authorization()
@@ -1247,6 +1319,14 @@ class Forwarder:
                             f"({exc.size} or more; --max-answer-bytes)",
                             resp.status,
                         ) from exc
+                    if (
+                        resp.status == BAD_REQUEST
+                        and body_read is not None
+                        and usage_added
+                        and b"stream_options" in body_read
+                    ):
+                        self._refused_stream_options(target.name, body_read)
+                        raise _StreamOptionsRefused
                     if streamed and not first:
                         raise _Retryable("cut", "stream ended before its first chunk")
                     if streamed and resp.status == 200 and only_done(first):
