@@ -8,6 +8,7 @@ and one busy prefilling long prompts taking short requests that then waited
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -358,6 +359,39 @@ def test_a_huge_prompt_is_judged_per_unit_of_its_request_and_a_short_one_behind_
     assert speeds.factor(GROUP, "b") == 1.0  # the long one alone, 3.5 s in
     clock.now += 1.5  # 5 s in: past the mark now
     assert speeds.factor(GROUP, "b") == pytest.approx(5.0 / (1 + LONG_BYTES / 16_384) / 0.1)
+
+
+def test_a_short_call_sent_after_a_quiet_scan_is_judged_when_its_wait_is_due() -> None:
+    """`factor` skips the scan of a replica's waiting calls until the soonest
+    of them can pass the mark (review: 35 us a call for 50 long prompts, on
+    every placement); a short call sent after the scan brings that nearer."""
+    speeds, clock = streams_answered()
+    speeds.began("b", LONG_BYTES)  # 5.9 units: due past the mark at 4.7 s
+    clock.now += 1.0
+    assert speeds.factor(GROUP, "b") == 1.0  # scanned: quiet until 4.7 s in
+    speeds.began("b", SHORT_BYTES)  # 1.06 units: due at 0.85 s after it
+    clock.now += 1.0
+    assert speeds.factor(GROUP, "b") == pytest.approx(1.0 / 1.06 / 0.1, rel=0.01)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_scan_skipped_gives_what_a_full_scan_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    speeds, clock = streams_answered()
+    waiting: dict[int, tuple[float, float]] = {}
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.4:
+            size = rng.choice((SHORT_BYTES, LONG_BYTES, 400_000))
+            waiting[speeds.began("b", size)] = (clock.now, 1.0 + size / 16_384)
+        elif roll < 0.55 and waiting:
+            call = rng.choice(sorted(waiting))
+            speeds.answered("b", call)
+            del waiting[call]
+        clock.now += rng.random() * 0.5
+        worst = max(((clock.now - t) / u for t, u in waiting.values()), default=0.0)
+        want = worst / 0.1 if worst >= SLOW_RATIO * 0.1 else 1.0
+        assert speeds.factor(GROUP, "b") == pytest.approx(want)
 
 
 def test_a_wait_is_measured_against_the_groups_own_typical_stream() -> None:
