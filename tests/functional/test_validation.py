@@ -510,7 +510,6 @@ MUTATIONS = [
         [{"type": "function", "function": {"name": "not allowed"}}],
         "tools[0].function.name",
     ),
-    setting("tools", []),
     setting("tool_choice", "sometimes"),
     setting("parallel_tool_calls", 1),
     setting("response_format", {"type": "yaml"}, "response_format.type"),
