@@ -1615,15 +1615,28 @@ def _missing_answer(parsed: dict[str, Any], path: str) -> str:
     `{"object": "chat.completion"}` without choices, `"choices": []` or a
     `"message": null` reached the SDK as a 200 (the client's code crashed on
     it), and an embeddings request answered with a chat completion was kept
-    in the cache. A glance at the shape, no more: a few lookups per choice."""
+    in the cache. A glance at the shape, no more: a few lookups per choice.
+
+    An answer that says why it has nothing is one (review: a content filter's
+    refusal is a 200 with no usable choice, and failing it over sent the
+    prompt to every origin and ejected them): no choices beside
+    `prompt_filter_results` or a `usage` (Azure OpenAI, a gateway's
+    guardrail), a choice with no message or text that has its
+    `finish_reason` (Gemini's "content_filter: ..."). The client gets it as
+    the origin sent it."""
     if path in {"/chat/completions", "/completions"}:
         choices = parsed.get("choices")
-        if not isinstance(choices, list) or not choices:
+        if not isinstance(choices, list):
             return "no choices"
+        if not choices:
+            said = "prompt_filter_results" in parsed or isinstance(parsed.get("usage"), dict)
+            return "" if said else "no choices"
         chat = path == "/chat/completions"
         for choice in choices:
             if not isinstance(choice, dict):
                 return "a choice that is no object"
+            if isinstance(choice.get("finish_reason"), str):
+                continue  # an answer, or why there is none
             if chat and not isinstance(choice.get("message"), dict):
                 return "a choice with no message"
             if not chat and not isinstance(choice.get("text"), str):

@@ -149,6 +149,33 @@ async def test_when_no_origin_answers_the_client_gets_a_502_and_nothing_is_cache
     assert (await rig.post(path)).status == 200
 
 
+FILTERED = [
+    # Azure OpenAI: the prompt filtered, no choice, and why.
+    {"object": "chat.completion", "choices": [], "prompt_filter_results": [
+        {"prompt_index": 0, "content_filter_results": {"hate": {"filtered": True}}}]},
+    # Gemini's OpenAI endpoint: a choice with no message, and its reason.
+    {"object": "chat.completion", "choices": [
+        {"index": 0, "message": None, "finish_reason": "content_filter: PROHIBITED_CONTENT"}]},
+    # A gateway's guardrail: no choice, and the usage of the refusal.
+    {"object": "chat.completion", "choices": [], "usage": {
+        "prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("filtered", FILTERED, ids=["azure", "gemini", "guardrail"])
+async def test_an_answer_that_says_why_it_has_nothing_is_the_clients(
+    rig: Rig, filtered: dict[str, Any]
+) -> None:
+    """Review: a content filter's refusal was failed over as no answer: the
+    prompt went to every origin, each was counted failing, and the client
+    was told to retry."""
+    rig.origins.bad, rig.origins.bad_calls = filtered, 4
+    resp = await rig.post("/v1/chat/completions")
+    assert resp.status == 200
+    assert (await resp.json())["choices"] == filtered["choices"]
+    assert (rig.origins.calls, rig.bad_answers()) == (1, 0)
+
+
 async def test_a_stream_answered_with_no_answer_in_a_whole_body_fails_over(rig: Rig) -> None:
     # Asked for a stream, answered whole: the proxy makes the stream, but
     # only of an answer (trial 65: the raw JSON went out and the SDK yielded nothing).
