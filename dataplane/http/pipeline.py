@@ -66,7 +66,13 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
-from dataplane.http.resume import CONTINUABLE, Continuations, Finished, counts_finishes
+from dataplane.http.resume import (
+    CONTINUABLE,
+    Continuations,
+    Finished,
+    counts_finishes,
+    held_against,
+)
 from dataplane.http.state import REQUEST_ID, SERVER_NAME, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, Key, placement_key
@@ -162,6 +168,9 @@ class Exchange:
     # gap between chunks, the first included; None for no stream, or none set.
     idle_timeout_s: float | None = None
     idle_timeout_own: bool = False  # idle_timeout_s is the tenant's own setting
+    # That setting is shorter than the proxy's: a stall past it is the
+    # tenant's choice of bound, not held against the origin (stall_held).
+    idle_timeout_shorter: bool = False
     # The message lists as the client sent them, kept when the tenant's system
     # prompt may shift their indexes (an origin's error then names the client's).
     sent: dict[str, Any] | None = None
@@ -447,6 +456,8 @@ class Pipeline:
             own = ex.tenant.streams.idle_timeout_s
             ex.idle_timeout_s = own or self.stream_idle_timeout
             ex.idle_timeout_own = bool(own)
+            proxy_bound = self.stream_idle_timeout
+            ex.idle_timeout_shorter = bool(own) and (proxy_bound is None or own < proxy_bound)
             # Responses streams always end with their usage.
             ex.usage_added = (
                 self.origin_stream_usage
@@ -1030,7 +1041,7 @@ class Pipeline:
         if end.cut and resume is None:  # the hook counts the cuts it sees
             m.continuations.labels("refused").inc()  # off, or not continuable
             m.stream_cut(name)
-            if not end.too_long:
+            if not end.too_long and not counter.error_event and held_against(ex, end.cut):
                 self.forwarder.stream_cut(name, end.cut)
             why = (
                 "the tenant turned continuation off"

@@ -29,7 +29,7 @@ from dataplane import jsonio
 from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.routes import Target
-from dataplane.streaming.relay import ERROR_EVENT, Next, OwnEnd
+from dataplane.streaming.relay import ERROR_EVENT, STALL_CUTS, Next, OwnEnd
 from dataplane.streaming.splice import (
     Splicer,
     StreamState,
@@ -105,7 +105,7 @@ class Continuations:
             end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
             return Next(end, _Ended(), _unchanged, length=True)
         m.attempt(name, "cut_after_start").inc()
-        if not too_long and cut != ERROR_EVENT:
+        if not too_long and cut != ERROR_EVENT and held_against(ex, cut):
             # Against its health as a 5xx is (Forwarder.stream_cut says which cuts).
             self._forwarder.stream_cut(name, cut)
         if too_long:
@@ -258,6 +258,15 @@ def counts_finishes(body: dict[str, Any]) -> bool:
     """Whether a stream's counter must collect its finish reasons for
     `Finished` (a request of several choices)."""
     return _choices(body) > 1
+
+
+def held_against(ex: Exchange, cut: str) -> bool:
+    """Whether a stream's cut counts against its origin's passive health
+    (Forwarder.stream_cut): not a stall past a tenant's own idle bound that is
+    shorter than the proxy's (review: a tenant that chose a tight bound for
+    fast failover ejected an origin every tenant shares, for gaps other
+    tenants' streams wait through)."""
+    return not (ex.idle_timeout_shorter and cut.startswith(STALL_CUTS))
 
 
 def finished_end(

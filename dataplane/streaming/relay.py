@@ -64,13 +64,14 @@ from typing import Final, Protocol
 import aiohttp
 
 from dataplane import jsonio
-from dataplane.streaming.splice import is_error_event
+from dataplane.streaming.splice import ERROR_EVENT, is_error_event
 from dataplane.streaming.sse import Event, SseParser
 from dataplane.timer import IdleTimeout
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 
 __all__ = [
     "ERROR_EVENT",
+    "STALL_CUTS",
     "ChunkSink",
     "Ending",
     "EventSink",
@@ -678,8 +679,6 @@ def _client_left(end: RelayEnd) -> None:
 # whole; a body's end is only the connection's (a chunked body's last chunk).
 ENDED_EARLY: Final = "the origin's body ended before the answer's last event"
 ENDED_INSIDE_EVENT: Final = "the origin's body ended inside an event"
-# Why a continued stream stopped at an origin's in-band error event.
-ERROR_EVENT: Final = "the origin sent an error event"
 
 # The events that end a Responses stream, which has no `data: [DONE]`.
 RESPONSES_ENDS: Final = frozenset(
@@ -815,6 +814,11 @@ async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:
         return await content.readany()
     with idle:
         return await content.readany()
+
+
+# How a cut for a stall begins (_why): held against the origin only past the
+# proxy's own bound (dataplane.http.resume.held_against).
+STALL_CUTS: Final = ("no chunk for ", "no event, only comments, for ")
 
 
 def _why(exc: BaseException, idle: IdleTimeout | None) -> str:

@@ -75,6 +75,11 @@ class Transcript:
         self.events.append(ev.data)
 
 
+# Why a stream stopped at an origin's in-band error event (a continued one's,
+# or a continuation's): the origin's answer, not its failure.
+ERROR_EVENT: Final = "the origin sent an error event"
+
+
 def is_error_event(data: bytes) -> bool:
     """An origin's in-band error (`{"error": …}` or vLLM's `{"object": "error", …}`):
     the stream failed, even if the connection stays open."""
@@ -273,7 +278,9 @@ class Splicer:
         included): the caller treats it as another cut.
         """
         if is_error_event(data):
-            raise ValueError("the continuation answered with an error event")
+            # As the first origin's error event is (review: this one counted
+            # against the continuation's health, a request may cause it).
+            raise ValueError(ERROR_EVENT)
         obj = jsonio.loads(data)
         if (
             not isinstance(obj, dict)

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from dataplane import jsonio
 from dataplane.ratelimit.tokens import completion_bound, continues_stored
+from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event
 
 
@@ -305,12 +306,16 @@ class UsageCounter:
     that finished (the events that carry a finish are parsed for it).
     """
 
-    __slots__ = ("content_events", "event_bytes", "finished", "finishes", "usage")
+    __slots__ = ("content_events", "error_event", "event_bytes", "finished", "finishes", "usage")
 
     def __init__(
         self, finishes: list[bytes] | None = None, finished: set[int] | None = None
     ) -> None:
         self.content_events = 0
+        # The stream carried an in-band error event (`event: error`, or an
+        # error object): its end is then no origin's failure to hold against
+        # it (Forwarder.stream_cut; a request may cause it).
+        self.error_event = False
         self.event_bytes = 0  # of the events' data: what bounds a believable count
         self.usage: Usage | None = None
         self.finishes = finishes
@@ -326,6 +331,8 @@ class UsageCounter:
                 self.usage = found
         if _has_text(data):
             self.content_events += 1
+        elif ev.name == b"error" or is_error_event(data):
+            self.error_event = True
         finishes, finished = self.finishes, self.finished
         if (finishes is not None or finished is not None) and b'"finish_reason"' in data:
             reasons = FINISH_REASON.findall(data)

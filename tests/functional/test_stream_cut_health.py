@@ -16,9 +16,11 @@ from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_continuation import (
     Origin,
     Proxy,
+    event,
     first_origin,
     proxy,
     second_origin,
+    sse,
 )
 
 __all__ = ["proxy"]  # fixture
@@ -100,3 +102,61 @@ async def test_in_band_error_events_are_not_held_against_the_origin(
     # The streams continued on o1 ended whole: each a success of o1's.
     assert ejections(p, "o1") == 0
     assert len(b.bodies) == STREAMS
+
+
+async def test_an_error_event_ending_a_stream_not_continued_is_not_held_against_it(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review: with continuation off (and for every Responses stream) an
+    origin's error event and the body's end after it counted as a cut, and
+    three such streams ejected the origin; a request may cause the error."""
+
+    async def errs(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "", role=True) + event("first", "Hel"))
+        await out.write(b'data: {"error": {"message": "bad prompt"}}\n\n')
+        await out.write_eof()
+        return out
+
+    a, b = Origin(errs), await second_origin()
+    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation="off"))
+    for _ in range(STREAMS):
+        await stream_raw(p)
+    assert len(a.bodies) == STREAMS
+    assert ejections(p, "o0") == 0
+
+
+async def test_a_continuations_error_event_is_not_held_against_it(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review: the first origin's error event was exempt, a continuation's
+    was not (its ValueError was another cut)."""
+
+    async def errs(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("second", "", role=True) + event("second", " wor"))
+        await out.write(b'data: {"error": {"message": "bad prompt"}}\n\n')
+        await out.write_eof()
+        return out
+
+    a, b = await first_origin("cut"), Origin(errs)
+    p = await proxy([(a, True), (b, True)])
+    for _ in range(STREAMS):
+        await stream_raw(p)
+    assert len(b.bodies) == STREAMS  # each cut stream was continued there
+    assert ejections(p, "o1") == 0
+
+
+async def test_a_stall_past_a_tenants_own_shorter_bound_is_not_held_against_it(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Review: a tenant that chose a tight idle bound for fast failover
+    ejected an origin every tenant shares, for gaps the proxy's own bound
+    lets through."""
+    a, b = await first_origin("stall"), await second_origin()
+    tight = pb.StreamPolicy(continuation="off", stream_idle_timeout_s=0.2)
+    p = await proxy([(a, True), (b, True)], tight, idle="30")
+    for _ in range(STREAMS):
+        await stream_raw(p)
+    assert len(a.bodies) == STREAMS
+    assert ejections(p, "o0") == 0
