@@ -45,6 +45,30 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield f
 
 
+# Each test's tenant and its concurrency limit.
+TENANTS = {"parallel": LIMIT, "burst": 3, "full": LIMIT, "leaderless": LIMIT}
+
+
+@pytest.fixture(scope="module")
+def keys(fleet: Fleet) -> dict[str, tuple[str, float]]:
+    """Every test's key (by tenant) and when it was made, made at once: the tests
+    wait out the join window from then (`settled`), one window for all rather than
+    one each."""
+    return {
+        tenant: (make_key(fleet, tenant, pb.Limits(concurrency=limit)), time.monotonic())
+        for tenant, limit in TENANTS.items()
+    }
+
+
+def settled(keys: dict[str, tuple[str, float]], tenant: str) -> str:
+    """The tenant's key, once it is past the window in which a newly limited scope
+    may wait anyway (dataplane.ratelimit.limiter.JOIN_WINDOW_S, 5 s): the steady
+    state."""
+    key, made = keys[tenant]
+    time.sleep(max(0.0, made + 5.5 - time.monotonic()))
+    return key
+
+
 def metrics(fleet: Fleet, proxy: str) -> str:
     return httpx.get(f"http://{fleet.proxies[proxy].address}/metrics", timeout=5).text
 
@@ -56,11 +80,10 @@ def ask(url: str, key: str) -> int:
         return client.post(url, json=body).status_code
 
 
-def test_parallel_requests_at_a_one_slot_proxy_wait_for_idle_slots(fleet: Fleet) -> None:
-    key = make_key(fleet, "parallel", pb.Limits(concurrency=LIMIT))
-    # Past the window in which a newly limited scope may wait anyway
-    # (dataplane.ratelimit.limiter.JOIN_WINDOW_S): this is the steady state.
-    time.sleep(5.5)
+def test_parallel_requests_at_a_one_slot_proxy_wait_for_idle_slots(
+    fleet: Fleet, keys: dict[str, tuple[str, float]]
+) -> None:
+    key = settled(keys, "parallel")
     url = fleet.proxy_url("p3") + "/chat/completions"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         codes = list(pool.map(lambda _: ask(url, key), range(3)))
@@ -68,20 +91,22 @@ def test_parallel_requests_at_a_one_slot_proxy_wait_for_idle_slots(fleet: Fleet)
     assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 2.0' in metrics(fleet, "p3")
 
 
-def test_a_burst_over_the_limit_at_one_proxy_gets_the_whole_limit(fleet: Fleet) -> None:
+def test_a_burst_over_the_limit_at_one_proxy_gets_the_whole_limit(
+    fleet: Fleet, keys: dict[str, tuple[str, float]]
+) -> None:
     # Limit 3 over three proxies, a slot each; 5 at once at p2: the leader moves
     # the other two slots to p2 for its waiters, and the rest is refused.
-    key = make_key(fleet, "burst", pb.Limits(concurrency=3))
-    time.sleep(5.5)
+    key = settled(keys, "burst")
     url = fleet.proxy_url("p2") + "/chat/completions"
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         codes = sorted(pool.map(lambda _: ask(url, key), range(5)))
     assert codes == [200, 200, 200, 429, 429]
 
 
-def test_a_tenant_at_its_limit_is_refused_at_once(fleet: Fleet) -> None:
-    key = make_key(fleet, "full", pb.Limits(concurrency=LIMIT))
-    time.sleep(5.5)
+def test_a_tenant_at_its_limit_is_refused_at_once(
+    fleet: Fleet, keys: dict[str, tuple[str, float]]
+) -> None:
+    key = settled(keys, "full")
     urls = [fleet.proxy_url(p) + "/chat/completions" for p in ("p1", "p1", "p2", "p3")]
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         held = [pool.submit(ask, url, key) for url in urls]
@@ -103,14 +128,15 @@ def slot_waits_refused(fleet: Fleet, proxy: str) -> float:
     return float(line[len(prefix) :])
 
 
-def test_with_no_leader_a_busy_proxy_refuses_at_once(fleet: Fleet) -> None:
+def test_with_no_leader_a_busy_proxy_refuses_at_once(
+    fleet: Fleet, keys: dict[str, tuple[str, float]]
+) -> None:
     """etcd goes away: the proxies stay connected to their replica, but no
     leader moves slots any more. Once no leader has confirmed the shares'
     spare flags for spare_ttl_s, a request whose slots are busy is refused
     at once instead of waiting for a slot that would never come. Last in the
     module: it stops etcd (and starts it again)."""
-    key = make_key(fleet, "leaderless", pb.Limits(concurrency=LIMIT))
-    time.sleep(5.5)  # past the join window
+    key = settled(keys, "leaderless")
     before = slot_waits_refused(fleet, "p3")
     assert fleet.etcd is not None
     fleet.etcd.stop()
