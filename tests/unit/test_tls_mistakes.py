@@ -162,6 +162,9 @@ def _date(when: datetime.datetime) -> str:
         ("old-admin", f"expired on {_date(EXPIRED[1])}"),
         ("future-admin", f"is not valid before {_date(FUTURE[0])}"),
     ],
+    # Not the dates: each pytest-xdist worker imports this module at its own
+    # second, and the workers' test ids must be the same.
+    ids=["old-admin", "future-admin"],
 )
 def test_pontoctl_names_its_own_certificate_out_of_its_dates(
     b: Bundle, capsys: pytest.CaptureFixture[str], name: str, says: str
@@ -182,6 +185,9 @@ def test_pontoctl_names_its_own_certificate_out_of_its_dates(
         ("old-server", f"expired on {_date(EXPIRED[1])}"),
         ("future-server", f"is not valid before {_date(FUTURE[0])}"),
     ],
+    # Not the dates: each pytest-xdist worker imports this module at its own
+    # second, and the workers' test ids must be the same.
+    ids=["old-server", "future-server"],
 )
 def test_control_plane_refuses_its_own_certificate_out_of_its_dates(
     b: Bundle, capsys: pytest.CaptureFixture[str], name: str, says: str
