@@ -244,7 +244,9 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             ",".join(o.models),
             str(o.weight),
             "yes" if o.drained else "no",
-            _health(o, ejected.get(o.name, "")),
+            # Cut: one origin's long detail (a probe's fix, an ejection)
+            # widened every row past the screen (review); -o yaml has it whole.
+            _cut(_health(o, ejected.get(o.name, "")), HEALTH_CHARS),
             o.server_kind or "-",
             _inflight(o),
             _continuation(o),
@@ -1367,6 +1369,10 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
         ]
         for e in resp.entries
     ]
+
+
+# The longest HEALTHY cell of `get origins`' table.
+HEALTH_CHARS = 72
 
 
 def _cut(text: str, most: int) -> str:

@@ -33,8 +33,11 @@ def compile_table(state: State) -> pb.RouteTable:
         # lift that verdict. The proxies' passive health judges it alone.
         verdict = health if origin.probe else None
         healthy = verdict.healthy if verdict else True
-        load = health.inflight if health else 0.0
-        unmeasured = health.inflight_unknown if health else False
+        # Nor is its load read: what a probe of before read is no measure
+        # now (review: a record of 9/10 stood for ever, and spilled its
+        # region), nor is its absence an idle origin.
+        load = verdict.inflight if verdict else 0.0
+        unmeasured = verdict.inflight_unknown if verdict else not origin.probe
         # An origin whose load is not read counts for neither the region's
         # load nor its capacity: its 0 would hold the region back from
         # spilling however full it is (trial 66: a llama.cpp origin with 8
@@ -62,7 +65,7 @@ def compile_table(state: State) -> pb.RouteTable:
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
                 no_continuation=not origin.continuation,
-                server_kind=health.server_kind if health else "",
+                server_kind=verdict.server_kind if verdict else "",
                 inflight_unknown=unmeasured,
                 probe_path=origin.probe_path,
                 not_probed=not origin.probe,

@@ -74,6 +74,10 @@ class _Track:
     # When this process last wrote the origin's health (loop time): a record
     # read from the store, written by another leader, carries its wall clock.
     written_at: float = -math.inf
+    # Metrics pages refused in a row (a non-200): one alone keeps the last
+    # figures (review: each lost page flipped the load to unknown and back,
+    # two tables and a spill each way).
+    pages_refused: int = 0
 
 
 def parse_load(text: str) -> float | None:
@@ -122,9 +126,14 @@ def verdict(status: int, path: str, has_credential: bool) -> tuple[bool, str]:
     passes (its server answered; the proxies' requests carry the key, which
     the probe cannot), and the detail says it was not a health check. A
     failure's detail names the fix where the status points at one."""
+    answered = f"probe answered {status} at {path}"
+    if 300 <= status < 400:
+        # Not followed (review: a redirect took the probe, and the metrics
+        # page, to another host, which passed for the origin): the proxies
+        # do not follow one either.
+        return False, f"{answered}, a redirect: the origin's probe path or URL is wrong"
     if status < 400:
         return True, ""
-    answered = f"probe answered {status} at {path}"
     if status in UNAUTHORISED and has_credential:
         return True, f"{answered}: up; the probe carries no key, the proxies' requests do"
     if status in UNAUTHORISED:
@@ -269,10 +278,17 @@ class Prober:
         for off in (o for o in state.origins if not o.probe):
             self._tracks.pop(off.name, None)
             stored = state.health.get(off.name)
-            if stored is not None and (not stored.healthy or stored.detail) and self._may_write():
+            # Its load and server too: no probe reads them now (review).
+            said = stored is not None and (
+                not stored.healthy
+                or bool(stored.detail)
+                or bool(stored.inflight)
+                or bool(stored.server_kind)
+            )
+            if said and self._may_write():
                 await self._write(
                     OriginHealth(
-                        off.name, healthy=True, inflight=stored.inflight, checked_at=time.time()
+                        off.name, healthy=True, inflight_unknown=True, checked_at=time.time()
                     )
                 )
         for origin in probed:
@@ -294,14 +310,21 @@ class Prober:
         # llama.cpp's 501 without --metrics) reads as an empty page.
         page: str | None = "" if not self._settings.metrics_path else None
         try:
-            async with session.get(root + path) as resp:
+            async with session.get(root + path, allow_redirects=False) as resp:
                 has_key = bool(origin.credential_env or origin.credential_file)
                 ok, detail = verdict(resp.status, path, has_key)
                 await resp.read()
             if ok and self._settings.metrics_path:
                 try:
-                    async with session.get(root + self._settings.metrics_path) as resp:
-                        page = await resp.text() if resp.status == 200 else ""
+                    async with session.get(
+                        root + self._settings.metrics_path, allow_redirects=False
+                    ) as resp:
+                        if resp.status == 200:
+                            page, track.pages_refused = await resp.text(), 0
+                        else:
+                            track.pages_refused += 1
+                            # Refused twice in a row: no load metrics there.
+                            page = "" if track.pages_refused > 1 else None
                 except (aiohttp.ClientError, TimeoutError):
                     pass  # no metrics is not a health failure
         except TimeoutError:

@@ -135,10 +135,11 @@ _RATIOS = {s.kind: s.ratios for s in SERVERS}
 
 # Servers known not to take a continuation request as vLLM does (the partial
 # answer as a last assistant message, continued rather than answered anew):
-# TGI hard-codes add_generation_prompt, so the model starts a new turn; the
-# llama.cpp server has no continue_final_message (trial 66). A cut stream
-# continued there is spliced into a garbled answer.
-NO_CONTINUATION = frozenset({TGI, LLAMACPP})
+# TGI hard-codes add_generation_prompt, so the model starts a new turn (trial
+# 66). A cut stream continued there is spliced into a garbled answer. (The
+# llama.cpp server continues a last assistant message by default since April
+# 2025, and takes continue_final_message since May 2026: review.)
+NO_CONTINUATION = frozenset({TGI})
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,13 +197,15 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         # healthy whatever an earlier probe of it said.
         healthy=health.healthy if health and o.probe else True,
         capacity=o.capacity,
-        inflight=health.inflight if health else 0.0,
+        # Nor its load, nor its server: no probe reads them (review: a
+        # probe's of before stood for ever).
+        inflight=health.inflight if health and o.probe else 0.0,
         health_detail=health.detail if health and o.probe else "",
         credential_env=o.credential_env,
         credential_file=o.credential_file,
         no_continuation=not o.continuation,
-        server_kind=health.server_kind if health else "",
-        inflight_unknown=health.inflight_unknown if health else False,
+        server_kind=health.server_kind if health and o.probe else "",
+        inflight_unknown=health.inflight_unknown if health and o.probe else not o.probe,
         probe_path=o.probe_path,
         not_probed=not o.probe,
     )

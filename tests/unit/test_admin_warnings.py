@@ -214,17 +214,17 @@ async def test_drains_are_done_and_warned_of_models_left_without_an_origin() -> 
 
 
 async def test_every_write_warns_of_an_origin_that_cannot_continue_with_continuation_on() -> None:
-    """Trial 66: TGI and llama.cpp take no continuation request; a cut stream
-    continued there is spliced into a garbled answer, and nothing said so."""
+    """Trial 66: TGI takes no continuation request; a cut stream continued
+    there is spliced into a garbled answer, and nothing said so."""
     store = MemoryStore()
     async with admin(store) as stub:
         await seed(stub)
         assert await warned(stub.DrainRegion(apb.DrainRequest(name="eu", drained=True))) == []
-        # The probes find o-eu is a llama.cpp server.
-        await Catalog(store).put_health(OriginHealth("o-eu", True, server_kind="llamacpp"))
+        # The probes find o-eu is a TGI server.
+        await Catalog(store).put_health(OriginHealth("o-eu", True, server_kind="tgi"))
         undrain = apb.DrainRequest(name="eu", drained=False)
         [warning] = await warned(stub.DrainRegion(undrain))
-        assert warning.startswith("origin o-eu is a llama.cpp server, which cannot continue")
+        assert warning.startswith("origin o-eu is a TGI, which cannot continue")
         assert warning.endswith("run `pontoctl origin add o-eu --update --continuation off`")
         # The fix is warned of nothing, and so is every write after it.
         o = ORIGINS[1]

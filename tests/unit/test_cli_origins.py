@@ -52,7 +52,7 @@ def test_the_server_of_each_origin_is_shown() -> None:
 def test_continuation_on_a_server_that_cannot_continue_says_to_turn_it_off() -> None:
     assert column("CONTINUATION") == {
         "gpu-vllm": "on",
-        "gpu-llama": "on, but llamacpp cannot continue: set it off",
+        "gpu-llama": "on",  # the llama.cpp server continues (a review)
         "gpu-other": "on",
         "hosted": "off",
     }

@@ -425,9 +425,9 @@ async def test_a_warning_many_proxies_report_is_written_once() -> None:
 
 
 def test_origins_whose_servers_cannot_continue_are_one_warning_each() -> None:
-    """Only a known TGI or llama.cpp server with continuation on: vLLM and
-    SGLang continue; a server not known (no page read, or none Ponto reads)
-    is not guessed at."""
+    """Only a known TGI with continuation on: vLLM, SGLang and the llama.cpp
+    server continue (a review: llama.cpp has since April 2025); a server not
+    known (no page read, or none Ponto reads) is not guessed at."""
     continuing = [
         ("tgi-1", "tgi"),
         ("gpu-1", "vllm"),
@@ -437,6 +437,6 @@ def test_origins_whose_servers_cannot_continue_are_one_warning_each() -> None:
         ("y", ""),
     ]
     warnings = origin_warnings(continuing)
-    assert [w.split(" ")[1] for w in warnings] == ["llama-1", "tgi-1"]
+    assert [w.split(" ")[1] for w in warnings] == ["tgi-1"]
     assert all("--update --continuation off" in w for w in warnings)
     assert origin_warnings([]) == ()

@@ -22,6 +22,7 @@ from controlplane.health import (
     judge,
     parse_load,
     root_of,
+    verdict,
     worth_writing,
 )
 from controlplane.model import Origin, OriginHealth, Region
@@ -303,14 +304,19 @@ class FakeOrigin:
 
     status: int = 200
     metrics: str = VLLM_METRICS
+    metrics_status: int = 200
     health_hits: list[str] = field(default_factory=list)
 
     def app(self) -> web.Application:
         async def health_handler(request: web.Request) -> web.Response:
             self.health_hits.append(request.path)
+            if 300 <= self.status < 400:  # to a page that answers 200
+                return web.Response(status=self.status, headers={"location": "/metrics"})
             return web.Response(status=self.status, text="ok" if self.status < 400 else "down")
 
         async def metrics_handler(request: web.Request) -> web.Response:
+            if self.metrics_status != 200:
+                return web.Response(status=self.metrics_status, text="busy")
             return web.Response(text=self.metrics, content_type="text/plain")
 
         app = web.Application()
@@ -501,6 +507,38 @@ async def test_prober_says_when_a_page_has_no_load_figures(
     h = await stored(catalog, "o1")
     assert h is not None
     assert (h.inflight, h.server_kind, h.inflight_unknown) == (0.0, "unknown", True)
+
+
+async def test_one_refused_metrics_page_keeps_the_last_figures_two_in_a_row_do_not(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    """Review: each lost page flipped the load to unknown and back, two
+    tables and a spill each way; a page refused twice in a row is no page."""
+    origin, _ = fake_origin
+    origin.metrics = LLAMACPP_METRICS
+    catalog, prober = await one_origin(fake_origin)
+    await probe(prober, session)
+    written = await stored(catalog, "o1")
+    origin.metrics_status = 503
+    await probe(prober, session)
+    assert await stored(catalog, "o1") == written  # nothing written
+    await probe(prober, session)
+    h = await stored(catalog, "o1")
+    assert h is not None and (h.inflight, h.inflight_unknown) == (0.0, True)
+
+
+async def test_a_redirect_is_no_passing_probe(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    """Review: the probe followed a redirect (to another host, there), and
+    what answered there passed for the origin. The proxies follow none."""
+    origin, _ = fake_origin
+    origin.status = 302
+    catalog, prober = await one_origin(fake_origin)
+    await probe(prober, session)
+    h = await stored(catalog, "o1")
+    assert h is not None and not h.healthy and "redirect" in h.detail
+    assert verdict(204, "/health", False) == (True, "")
 
 
 async def test_prober_writes_nothing_when_not_allowed(

@@ -440,11 +440,11 @@ def test_only_the_pages_own_servers_lines_are_read() -> None:
 
 
 def test_continuation_warning_names_the_fix_for_servers_that_cannot_continue() -> None:
-    for kind in (TGI, LLAMACPP):
-        warning = continuation_warning("gpu-1", kind)
-        assert "garbled" in warning
-        assert "pontoctl origin add gpu-1 --update --continuation off" in warning
-    for kind in (VLLM, SGLANG, UNKNOWN_KIND, ""):
+    warning = continuation_warning("gpu-1", TGI)
+    assert "garbled" in warning
+    assert "pontoctl origin add gpu-1 --update --continuation off" in warning
+    # The llama.cpp server continues a last assistant message (review).
+    for kind in (VLLM, SGLANG, LLAMACPP, UNKNOWN_KIND, ""):
         assert continuation_warning("gpu-1", kind) == ""
 
 
