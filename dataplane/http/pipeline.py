@@ -1085,7 +1085,10 @@ class Pipeline:
             return None
         found, why = believed(
             usage,
-            ceilings(ex.endpoint.name, ex.body, ex.raw, ex.estimate),
+            # A continued stream's prompt holds what came before each cut
+            # (the Splicer sums the calls': review, a 20k-token one was not
+            # believed): that much more, of the answer's bytes.
+            ceilings(ex.endpoint.name, ex.body, ex.raw, ex.estimate, answer_bytes * ex.continued),
             answer_bytes,
             ex.estimate,
             completion_estimate,

@@ -166,15 +166,11 @@ HIDDEN_PER_CHOICE: Final = 262_144
 PROMPT_SLACK: Final = 16_384
 MEDIA_TOKENS: Final = 131_072
 STORED_CONTEXT: Final = 10_000_000
-_MEDIA_MARKERS: Final = (
-    b'"image_url"',
-    b'"input_image"',
-    b'"input_audio"',
-    b'"input_file"',
-    b'"file"',
-    b'"video_url"',
-    b'"audio_url"',
-)
+_MEDIA_MARKERS: Final = (b'"image_url"', b'"input_image"', b'"input_audio"', b'"audio_url"')
+# Media whose tokens grow with their length, not their URL's (review: an
+# hour of video is some 900k tokens, a long PDF by file id as many): a
+# context window each.
+_LONG_MEDIA_MARKERS: Final = (b'"input_file"', b'"file"', b'"video_url"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,16 +182,32 @@ class Ceilings:
     hidden: int  # completion tokens beyond the answer's bytes: HIDDEN_PER_CHOICE x n
 
 
-def ceilings(endpoint: str, body: Mapping[str, Any], raw: bytes, prompt_estimate: int) -> Ceilings:
+def ceilings(
+    endpoint: str,
+    body: Mapping[str, Any],
+    raw: bytes,
+    prompt_estimate: int,
+    continued_bytes: int = 0,
+) -> Ceilings:
     """The ceilings of the answer to a request: `body` parsed from `raw`
     (which a tenant's system prompt may have grown since: `prompt_estimate`,
-    of the body as sent, covers it). Pure; counts byte markers, parses nothing."""
+    of the body as sent, covers it), continued after cuts whose answers came
+    to `continued_bytes` in all (each continuation's prompt holds them). Pure;
+    counts byte markers, parses nothing."""
     choices = max((v for v in (body.get("n"), body.get("best_of")) if type(v) is int), default=1)
     media = sum(raw.count(marker) for marker in _MEDIA_MARKERS)
-    prompt = 2 * (len(raw) + 4 * prompt_estimate) + PROMPT_SLACK + media * MEDIA_TOKENS
-    if continues_stored(endpoint, body):
+    prompt = 2 * (len(raw) + 4 * prompt_estimate + continued_bytes) + PROMPT_SLACK
+    prompt += media * MEDIA_TOKENS
+    if continues_stored(endpoint, body) or any(m in raw for m in _LONG_MEDIA_MARKERS):
         prompt += STORED_CONTEXT
-    return Ceilings(prompt, completion_bound(endpoint, body), HIDDEN_PER_CHOICE * max(1, choices))
+    elif endpoint == "responses" and body.get("tools"):
+        # Hosted tools (web search, file search, MCP) add their results to
+        # the prompt the origin counts (review: o3 with web_search, 65k).
+        prompt += STORED_CONTEXT
+    # Predicted Outputs: the predicted tokens rejected count as completion,
+    # past max_tokens (review).
+    bound = None if "prediction" in body else completion_bound(endpoint, body)
+    return Ceilings(prompt, bound, HIDDEN_PER_CHOICE * max(1, choices))
 
 
 def believed(
@@ -227,7 +239,10 @@ def believed(
         return usage, ""
     if cached is not None:
         cached = min(cached, prompt)
-    return Usage(prompt, completion, usage.exact, cached), why
+    # A prompt the proxy estimated is its own count: the continuations' prompts
+    # are then added to it (pipeline.spent), as for any count of its own.
+    exact = usage.exact and prompt == usage.prompt_tokens
+    return Usage(prompt, completion, exact, cached), why
 
 
 def _estimated(obj: object) -> bool:

@@ -107,3 +107,52 @@ def test_a_cached_count_is_never_past_a_prompt_not_believed() -> None:
     found, why = believed(usage, ceilings("chat.completions", CHAT, raw, 3), 100, 3, 7)
     assert why == PAST_REQUEST
     assert (found.prompt_tokens, found.cached_tokens) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "usage"),
+    [
+        # o3 with web_search: the results are in the prompt it counts.
+        (
+            "responses",
+            {"model": "o3", "input": "news?", "tools": [{"type": "web_search"}]},
+            {"input_tokens": 65_000, "output_tokens": 100},
+        ),
+        # An hour of video by URL on a 1M-context model.
+        (
+            "chat.completions",
+            {"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}]}]},
+            {"prompt_tokens": 929_000, "completion_tokens": 10},
+        ),
+        # Predicted Outputs: rejected predicted tokens count past max_completion_tokens.
+        (
+            "chat.completions",
+            {**CHAT, "max_completion_tokens": 300,
+             "prediction": {"type": "content", "content": "x" * 4000}},
+            {"prompt_tokens": 9, "completion_tokens": 900},
+        ),
+    ],
+)  # fmt: skip
+def test_honest_counts_of_tools_long_media_and_predictions_are_believed(
+    endpoint: str, body: dict[str, Any], usage: dict[str, Any]
+) -> None:
+    """Review: each of these was refused (past_request, past_max_tokens),
+    undercharged, and the origin blamed."""
+    assert judged(endpoint, body, usage)[1] == ""
+
+
+def test_a_continued_streams_prompt_holds_what_came_before_its_cut() -> None:
+    """Review: a stream cut after 20,000 tokens and continued counts them in
+    the continuation's prompt; the proxy charged its estimate (11)."""
+    raw = json.dumps(CHAT).encode()
+    estimate = estimate_prompt_tokens("chat.completions", CHAT)
+    honest = Usage(12 + 20_000, 20_002, exact=True)
+    before = ceilings("chat.completions", CHAT, raw, estimate)
+    continued = ceilings("chat.completions", CHAT, raw, estimate, continued_bytes=80_000)
+    assert believed(honest, before, 80_000, estimate, 7)[1] == PAST_REQUEST
+    assert believed(honest, continued, 80_000, estimate, 7) == (honest, "")
+    # A prompt the proxy estimated is its own count (the continuations'
+    # prompts are then added to it).
+    found, _ = believed(Usage(10**12, 5, exact=True), before, 100, estimate, 7)
+    assert (found.prompt_tokens, found.exact) == (estimate, False)
