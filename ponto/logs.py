@@ -99,3 +99,28 @@ class Throttled(Every):
             msg, args = f"{msg} (%d more not logged)", (*args, unlogged)
         self._log.log(level, msg, *args, exc_info=exc_info)
         return True
+
+
+class ThrottledBy:
+    """A Throttled line per key (an origin, say): each key's lines at most once
+    per `every_s`, one key's never hiding another's. Keys are kept for the
+    process's life: for a bounded set (the route table's origins)."""
+
+    __slots__ = ("_clock", "_every_s", "_keys", "_log")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log, self._every_s, self._clock = logger, every_s, clock
+        self._keys: dict[str, Throttled] = {}
+
+    def log(self, key: str, level: int, msg: str, *args: object) -> bool:
+        """Throttled.log of `key`'s line; True if written."""
+        told = self._keys.get(key)
+        if told is None:
+            told = self._keys[key] = Throttled(self._log, every_s=self._every_s, clock=self._clock)
+        return told.log(level, msg, *args)

@@ -103,7 +103,7 @@ from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
 from dataplane.upstream.hedge import HedgeSetting
 from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
 from dataplane.upstream.stalls import Stalls
-from ponto.logs import Throttled
+from ponto.logs import ThrottledBy
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace, RequestTracer
@@ -333,7 +333,7 @@ class Pipeline:
         self._detached: set[asyncio.Task[web.StreamResponse]] = set()
         # Per origin: an origin whose usage is not believed is told at most
         # once a minute (an origin that lies does so on every answer).
-        self._unbelieved: dict[str, Throttled] = {}
+        self._unbelieved = ThrottledBy(log, every_s=60.0)
 
     async def close(self) -> None:
         """Stop the flights still relaying for followers after their leading
@@ -1095,10 +1095,8 @@ class Pipeline:
         )
         if why:
             self.metrics.usage_rejected.labels(origin, why).inc()
-            told = self._unbelieved.get(origin)
-            if told is None:
-                told = self._unbelieved[origin] = Throttled(log, every_s=60.0)
-            told.log(
+            self._unbelieved.log(
+                origin,
                 logging.WARNING,
                 "origin %s answered with a usage the proxy does not believe (%s: "
                 "prompt %s, completion %s); counted %d and %d instead; %s",

@@ -71,7 +71,7 @@ from dataplane.upstream.wire import (
     OriginResponse,
     OriginWire,
 )
-from ponto.logs import Throttled
+from ponto.logs import ThrottledBy
 
 if TYPE_CHECKING:
     from dataplane.telemetry.tracing import RequestTrace
@@ -450,7 +450,7 @@ class Forwarder:
         self.stalls = stalls or Stalls(None)
         self.stalls.usual = self.commit_times.p95
         # Per origin: one that lacks a model it is listed for (MODEL_MISSING).
-        self._missing_told: dict[str, Throttled] = {}
+        self._missing_told = ThrottledBy(log, every_s=60.0)
         # Origins that refused the `stream_options` the proxy adds (forward's
         # `plain_body`): asked without it from then on, by this process.
         self.refuses_stream_options: set[str] = set()
@@ -1047,10 +1047,8 @@ class Forwarder:
         """`origin` answered that it lacks `model` (which the route table
         lists it for): counted, and told at most once a minute per origin."""
         self._metrics.model_missing.labels(origin, model).inc()
-        told = self._missing_told.get(origin)
-        if told is None:
-            told = self._missing_told[origin] = Throttled(log, every_s=60.0)
-        told.log(
+        self._missing_told.log(
+            origin,
             logging.WARNING,
             "origin %s lacks model %s, which the route table lists it for (a LoRA adapter "
             "not loaded, a model not pulled?); failed over: %s",

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from ponto.logs import Throttled, formatter
+from ponto.logs import Throttled, ThrottledBy, formatter
 
 
 def record(created: float) -> logging.LogRecord:
@@ -68,3 +68,19 @@ def test_a_throttled_line_carries_the_traceback_when_asked(
     (rec,) = caplog.records
     assert rec.exc_info is not None
     assert rec.exc_info[0] is RuntimeError
+
+
+def test_lines_throttled_by_key_do_not_hide_each_other(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    told = ThrottledBy(logging.getLogger("ponto.test"), every_s=60, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ponto.test"):
+        assert told.log("o1", logging.WARNING, "o1 lies")
+        assert told.log("o2", logging.WARNING, "o2 lies")  # another origin's: its own
+        assert not told.log("o1", logging.WARNING, "o1 lies")
+        clock.now += 60
+        assert told.log("o1", logging.WARNING, "o1 lies")
+    assert [r.getMessage() for r in caplog.records] == [
+        "o1 lies",
+        "o2 lies",
+        "o1 lies (1 more not logged)",
+    ]
