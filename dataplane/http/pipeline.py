@@ -169,7 +169,7 @@ class Exchange:
     idle_timeout_s: float | None = None
     idle_timeout_own: bool = False  # idle_timeout_s is the tenant's own setting
     # That setting is shorter than the proxy's: a stall past it is the
-    # tenant's choice of bound, not held against the origin (stall_held).
+    # tenant's choice of bound, not held against the origin (resume.held_against).
     idle_timeout_shorter: bool = False
     # The message lists as the client sent them, kept when the tenant's system
     # prompt may shift their indexes (an origin's error then names the client's).
