@@ -1372,7 +1372,7 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
 
 
 # The longest HEALTHY cell of `get origins`' table.
-HEALTH_CHARS = 72
+HEALTH_CHARS = 100
 
 
 def _cut(text: str, most: int) -> str:

@@ -326,8 +326,10 @@ def test_etcd_control_plane_and_proxy_come_back_with_their_addresses_and_state(
         fleet.wait_proxies_at(version)
         supervisor = supervise(fleet)
         before = {name: (m.address, m.pid) for name, m in fleet.members().items()}
+        for name in ("etcd", "control-1", "p-us"):  # as a user's kill -9 does
+            os.kill(fleet.members()[name].pid, signal.SIGKILL)
         for name in ("etcd", "control-1", "p-us"):
-            fleet.members()[name].kill()
+            fleet.members()[name].proc.wait(timeout=10)
 
         deadline = time.monotonic() + 60
         while any(not fleet.members()[n].alive() for n in ("etcd", "control-1", "p-us")):
