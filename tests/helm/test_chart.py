@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -58,9 +59,21 @@ def helm() -> Path:
 
 
 def template(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`helm template` of the chart. The same arguments are rendered once a
+    run, unless they name files (a test may write a values file again under
+    its path): many tests render the defaults, or the same `--set`s, and each
+    render is a process of about half a second, which CI's time could not
+    spare. The chart does not change during a run."""
+    if any(a in ("-f", "--values", "--set-file") or a.startswith("--values=") for a in args):
+        return _template.__wrapped__(str(helm), args)
+    return _template(str(helm), args)
+
+
+@functools.cache
+def _template(helm: str, args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
-            str(helm),
+            helm,
             "template",
             "ponto",
             str(CHART),
