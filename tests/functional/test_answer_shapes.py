@@ -9,7 +9,7 @@ hand-written origins that answer with the body they are told to.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,14 +82,16 @@ class Rig:
         )
 
 
-@pytest.fixture
-async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
-    shared = Shared()
+async def two_origins(
+    tmp_path: Path, handle: Callable[[web.Request], Awaitable[web.Response]], paths: Iterable[str]
+) -> Stack:
+    """The real proxy app before two origins, o1 and o2, each answering
+    `paths` with `handle` (one handler: the test says what they answer)."""
     servers = []
     for _ in range(2):
         app = web.Application()
-        for path in GOOD:
-            app.router.add_post(path, shared.handle)
+        for path in paths:
+            app.router.add_post(path, handle)
         server = TestServer(app)
         await server.start_server()
         servers.append(server)
@@ -97,6 +99,13 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     s.others.extend(servers)
     urls = [(f"o{i + 1}", str(server.make_url("/v1"))) for i, server in enumerate(servers)]
     s.app[HOLDER].apply(table(urls, version=3), "control-plane")
+    return s
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    shared = Shared()
+    s = await two_origins(tmp_path, shared.handle, GOOD)
     yield Rig(s, shared)
     await s.close()
 

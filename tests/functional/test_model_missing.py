@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from dataplane.http.state import HOLDER, METRICS
-from tests.functional.test_pipeline import MODEL, Stack, chat, error_of, start_stack, table
+from dataplane.http.state import METRICS
+from tests.functional.test_answer_shapes import two_origins
+from tests.functional.test_pipeline import MODEL, Stack, chat, error_of
 
 VLLM = {
     "object": "error",
@@ -95,17 +95,7 @@ class Rig:
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     shared = Shared()
-    servers = []
-    for _ in range(2):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", shared.handle)
-        server = TestServer(app)
-        await server.start_server()
-        servers.append(server)
-    s = await start_stack(tmp_path, [])
-    s.others.extend(servers)
-    urls = [(f"o{i + 1}", str(server.make_url("/v1"))) for i, server in enumerate(servers)]
-    s.app[HOLDER].apply(table(urls, version=3), "control-plane")
+    s = await two_origins(tmp_path, shared.handle, ["/v1/chat/completions"])
     yield Rig(s, shared)
     await s.close()
 
