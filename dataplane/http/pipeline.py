@@ -97,6 +97,7 @@ from dataplane.streaming.usage import (
     for_unasked,
     usage_of,
     with_usage_asked,
+    within_floors,
 )
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
@@ -1083,6 +1084,9 @@ class Pipeline:
         (ponto_origin_usage_rejected_total) and told, once a minute per origin."""
         if usage is None:
             return None
+        bound = completion_bound(ex.endpoint.name, ex.body)
+        if within_floors(usage, len(ex.raw), ex.estimate, answer_bytes, bound):
+            return usage
         found, why = believed(
             usage,
             # A continued stream's prompt holds what came before each cut

@@ -26,7 +26,7 @@ import math
 import re
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -1109,7 +1109,7 @@ class Forwarder:
         span.committed(answer.status)
         return answer
 
-    async def _call(
+    def _call(
         self,
         target: Target,
         path: str,
@@ -1118,16 +1118,33 @@ class Forwarder:
         attempt: int,
         stream: bool,
         tries: _Tries | None = None,
-    ) -> OriginAnswer:
+    ) -> Coroutine[Any, Any, OriginAnswer]:
         """One call to `target` (`_call_once`); made again without the
         `stream_options` the proxy added when the origin refuses it (a
         review: every stream of a client that asked for no usage got the
-        origin's 400 naming a member it never sent, and nothing said why)."""
+        origin's 400 naming a member it never sent, and nothing said why).
+        Not a coroutine itself: the common call is `_call_once`'s own, with
+        no frame around it (every request makes one)."""
         plain = tries.plain_body if tries is not None else None
         if plain is None:
-            return await self._call_once(target, path, body, headers, attempt, stream, tries)
+            return self._call_once(target, path, body, headers, attempt, stream, tries)
         if target.name in self.refuses_stream_options:
-            return await self._call_once(target, path, plain(), headers, attempt, stream, tries)
+            return self._call_once(target, path, plain(), headers, attempt, stream, tries)
+        return self._call_usage_added(target, path, body, headers, attempt, stream, tries, plain)
+
+    async def _call_usage_added(
+        self,
+        target: Target,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        attempt: int,
+        stream: bool,
+        tries: _Tries | None,
+        plain: Callable[[], bytes],
+    ) -> OriginAnswer:
+        """`_call` of a body holding the `stream_options` the proxy added:
+        made again with `plain()` when the origin refuses the member."""
         try:
             return await self._call_once(
                 target, path, body, headers, attempt, stream, tries, usage_added=True

@@ -9,8 +9,10 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dataplane.ratelimit.tokens import estimate_prompt_tokens
+from dataplane.ratelimit.tokens import completion_bound, estimate_prompt_tokens
 from dataplane.streaming.usage import (
     INVALID,
     PAST_ANSWER,
@@ -20,6 +22,7 @@ from dataplane.streaming.usage import (
     believed,
     ceilings,
     usage_of,
+    within_floors,
 )
 
 
@@ -156,3 +159,56 @@ def test_a_continued_streams_prompt_holds_what_came_before_its_cut() -> None:
     # prompts are then added to it).
     found, _ = believed(Usage(10**12, 5, exact=True), before, 100, estimate, 7)
     assert (found.prompt_tokens, found.exact) == (estimate, False)
+
+
+ENDPOINTS = ("chat/completions", "completions", "responses", "embeddings")
+BODIES = [
+    CHAT,
+    {**CHAT, "max_tokens": 16, "n": 3},
+    {**CHAT, "max_completion_tokens": 5, "prediction": {"type": "content", "content": "x"}},
+    {"model": "m", "prompt": "p", "max_tokens": 4, "best_of": 2},
+    {"model": "m", "input": "and then?", "previous_response_id": "r", "max_output_tokens": 9},
+    {"model": "m", "input": [{"type": "input_image", "image_url": "https://x/a.png"}]},
+]
+
+
+@settings(max_examples=400)
+@given(
+    endpoint=st.sampled_from(ENDPOINTS),
+    body=st.sampled_from(BODIES),
+    prompt=st.integers(0, 3_000_000),
+    completion=st.integers(0, 600_000),
+    answer=st.integers(0, 100_000),
+    continued=st.integers(0, 50_000),
+    rejected=st.sampled_from(["", INVALID]),
+)
+def test_within_floors_is_believed_as_it_is(
+    endpoint: str,
+    body: dict[str, Any],
+    prompt: int,
+    completion: int,
+    answer: int,
+    continued: int,
+    rejected: str,
+) -> None:
+    """The pipeline's quick check (within_floors) stands for `believed` only
+    where `believed` would keep the usage as sent, whatever the request."""
+    raw = json.dumps(body).encode()
+    estimate = estimate_prompt_tokens(endpoint, body)
+    usage = Usage(prompt, completion, exact=True, rejected=rejected)
+    bound = completion_bound(endpoint, body)
+    if within_floors(usage, len(raw), estimate, answer, bound):
+        found = believed(usage, ceilings(endpoint, body, raw, estimate, continued), answer, 0, 0)
+        assert found == (usage, "")
+
+
+def test_within_floors_refers_what_it_cannot_judge() -> None:
+    """Each ceiling's floor: a count past it goes to the full judgement."""
+    raw = json.dumps({**CHAT, "max_tokens": 16}).encode()
+    estimate = 5
+    floor = 2 * (len(raw) + 4 * estimate) + 16_384
+    assert within_floors(Usage(floor, 16), len(raw), estimate, 10, 16)
+    assert not within_floors(Usage(floor + 1, 16), len(raw), estimate, 10, 16)
+    assert not within_floors(Usage(9, 17), len(raw), estimate, 10, 16)
+    assert not within_floors(Usage(9, 10 + 262_145), len(raw), estimate, 10, None)
+    assert not within_floors(Usage(rejected=INVALID), len(raw), estimate, 10, None)
