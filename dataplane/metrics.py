@@ -565,6 +565,9 @@ class Metrics:
         # for the report to take out of what the region served: its errors
         # are what its origins failed, not the clients' bad requests.
         self.refused: dict[str, int] = {}
+        # Region -> those that origins answered but that failed for their
+        # clients' doing (`operation`'s `excused`): served, no region's error.
+        self.excused: dict[str, int] = {}
         self.client_disconnects = Counter(
             "ponto_client_disconnects",
             "Requests whose client went away before the response ended",
@@ -850,6 +853,7 @@ class Metrics:
         chunk_gap_s: float | None = None,
         *,
         refused: bool = False,
+        excused: bool = False,
     ) -> None:
         """Record one settled request in the GenAI metrics: its duration, the time
         to its first streamed chunk (streams only), the mean time between its
@@ -859,9 +863,13 @@ class Metrics:
         no origin produced, such as cache hits and refusals). Embeddings have
         input tokens only (the conventions' gen_ai.client.token.usage).
         `refused`: the proxy refused it itself, no origin called (counted in
-        `self.refused` too, by region)."""
+        `self.refused` too, by region). `excused`: origins were called and
+        it failed for its client's doing (counted in `self.excused`, by
+        region: served, but none of its region's errors)."""
         if refused:
             self.refused[region] = self.refused.get(region, 0) + 1
+        elif excused:
+            self.excused[region] = self.excused.get(region, 0) + 1
         provider = GENAI_PROVIDER
         self.genai_duration.labels(operation, provider, model, error_type, region, cache).observe(
             duration_s

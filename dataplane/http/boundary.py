@@ -9,7 +9,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import PlainResource, _default_expect_handler
@@ -297,6 +297,26 @@ def refused_here(ex: Exchange, status: int, error: str) -> bool:
     return ex.attempts == 0 and (400 <= status < 500 or error in NOT_SERVER_ERRORS)
 
 
+# An origin's 4xx that says its region failed, not the request: it timed out
+# or is overloaded.
+_ORIGINS_FAILURES: Final = frozenset({408, 429})
+
+
+def excused_here(ex: Exchange, status: int, error: str) -> bool:
+    """Origins were called, and the request failed for its client's own
+    doing: an origin refused it as a bad request (a 4xx other than 408 and
+    429), or its client left or stopped reading (a 499). The region served
+    it and failed nothing, so the status page counts it served but not among
+    the region's errors (`Metrics.excused`; review: every 400 an origin gave
+    a malformed prompt, and every client that closed a stream, read as the
+    region failing)."""
+    if ex.attempts == 0 or not error:
+        return False
+    if error in (CLIENT_GONE, SEND_TIMEOUT):
+        return True
+    return 400 <= status < 500 and status not in _ORIGINS_FAILURES
+
+
 def _record(
     app: web.Application,
     request: web.BaseRequest,
@@ -337,6 +357,7 @@ def _record(
             ex.usage if ex.origin else None,
             chunk_gap(ex, finished, error),
             refused=refused_here(ex, status, error),
+            excused=excused_here(ex, status, error),
         )
     access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(error, endpoint):

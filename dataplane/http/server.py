@@ -198,7 +198,7 @@ class Proxy:
             on_loads=self.loads.apply,
             demand=quota.demand,
             traffic=lambda: traffic_of(
-                m.requests, m.genai_duration, m.limited, m.not_cached, m.refused
+                m.requests, m.genai_duration, m.limited, m.not_cached, m.refused, m.excused
             ),
             ejected=outliers.ejected_report,
             report_interval=settings.report_interval,

@@ -64,6 +64,7 @@ def traffic_of(
     limited: Mapping[str, Sequence[int]] | None = None,
     not_cached: Collector | None = None,
     refused: Mapping[str, int] | None = None,
+    excused: Mapping[str, int] | None = None,
 ) -> Traffic:
     """Totals of a counter of answered requests labelled with `endpoint` and
     `code` (the proxy's ponto_requests), probes and scrapes (NOT_TRAFFIC) left
@@ -76,7 +77,10 @@ def traffic_of(
     region -> operations of the histogram the proxy refused itself before
     calling any origin (Metrics.refused), left out of what the region served:
     its errors are what its origins failed, not its clients' bad requests
-    (those stay in `client_errors`, where they arrived)."""
+    (those stay in `client_errors`, where they arrived). `excused`: region ->
+    operations origins answered that failed for their clients' doing
+    (Metrics.excused: an origin's 400, a client that left), served by the
+    region but none of its errors."""
     total = server = client = 0
     for family in requests.collect():
         for sample in family.samples:
@@ -112,6 +116,10 @@ def traffic_of(
         if region in served:  # each refused one is a failed operation there
             count, errors = served[region]
             served[region] = (count - n, errors - n)
+    for region, n in (excused or {}).items():
+        if region in served:  # each excused one is a failed operation there
+            count, errors = served[region]
+            served[region] = (count, errors - n)
     tenants = {tenant: (int(n[0]), int(n[1])) for tenant, n in (limited or {}).items()}
     return Traffic(total, server, client, served, tenants)
 

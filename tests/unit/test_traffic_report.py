@@ -5,7 +5,8 @@ its ACK summary."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -17,6 +18,8 @@ from controlplane.catalog import Traffic as StoredTraffic
 from controlplane.model import OriginEjected
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
+from dataplane.http.boundary import CLIENT_GONE, SEND_TIMEOUT, excused_here
+from dataplane.http.pipeline import Exchange
 from dataplane.metrics import MAX_LIMITED_TENANTS, Metrics
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, Traffic, traffic_of
@@ -333,3 +336,24 @@ async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts
     (proxy,) = await catalog.list_proxies()
     assert proxy.requests == 9
     assert [e.origin for e in proxy.ejected] == ["o-ok"]  # a later field is ignored
+
+
+@pytest.mark.parametrize(
+    ("attempts", "status", "error", "excused"),
+    [
+        (1, 400, "400", True),  # an origin refused the request as bad
+        (1, 499, CLIENT_GONE, True),  # its client left mid-answer
+        (2, 499, SEND_TIMEOUT, True),  # its client stopped reading
+        (1, 429, "429", False),  # an overloaded origin fails its region
+        (1, 408, "408", False),
+        (1, 502, "502", False),
+        (1, 200, "stream_cut", False),  # an origin broke its stream off
+        (1, 200, "", False),  # served
+        (0, 400, "invalid_request", False),  # refused at the proxy (refused_here)
+    ],
+)
+def test_excused_failures_are_their_clients_doing(
+    attempts: int, status: int, error: str, excused: bool
+) -> None:
+    ex = cast(Exchange, SimpleNamespace(attempts=attempts))
+    assert excused_here(ex, status, error) is excused
