@@ -68,6 +68,9 @@ class RebasedStore:
         self._base = 0
         self._loaded = False
         self._lock = asyncio.Lock()
+        # The read of the stored base that callers share until it is loaded
+        # (`_ready`); None when none is under way.
+        self._loading: asyncio.Future[None] | None = None
         # The highest revision handed out.
         self.highest = 0
         # (highest handed out before, base from then on) of each change of
@@ -115,12 +118,33 @@ class RebasedStore:
     # ------------------------------------------------------------ base
 
     async def _ready(self) -> None:
-        if not self._loaded:
-            async with self._lock:
-                if not self._loaded:
-                    stored, _, _ = await self._read_base()
-                    self._adopt(stored)
-                    self._loaded = True
+        """The stored base loaded, once. Callers meanwhile share one read:
+        when it fails (etcd away) they all fail with it, at once. Each waiting
+        its turn for a read of its own, a replica started with etcd away had
+        its Nth caller fail after N store timeouts (the builder's first
+        attempt took 15 s, five callers behind each other's 3 s)."""
+        if self._loaded:
+            return
+        loading = self._loading
+        if loading is None:
+            loading = self._loading = asyncio.ensure_future(self._load())
+            loading.add_done_callback(self._loaded_or_not)
+        # Shielded: a caller cancelled leaves the read to the others.
+        await asyncio.shield(loading)
+
+    async def _load(self) -> None:
+        async with self._lock:
+            if not self._loaded:
+                stored, _, _ = await self._read_base()
+                self._adopt(stored)
+                self._loaded = True
+
+    def _loaded_or_not(self, loading: asyncio.Future[None]) -> None:
+        """The shared read ended: the next caller after a failure reads again.
+        Its failure is retrieved here too, for when every caller had left."""
+        self._loading = None
+        if not loading.cancelled():
+            loading.exception()
 
     async def _read_base(self) -> tuple[int, KeyValue | None, int]:
         """(base stored, its key, the store's revision), in one linearizable read."""
@@ -304,6 +328,8 @@ class RebasedStore:
                 await aclose()
 
     async def close(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel()
         await self.inner.close()
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from controlplane.catalog import STATE_PREFIX
 from controlplane.store import Conflict, Fence, Write
+from controlplane.store.base import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
 from controlplane.store.rebased import BASE_KEY, MARGIN, MAX_BASE, RebasedStore
 
@@ -237,3 +238,48 @@ async def test_a_base_that_is_not_a_number_counts_as_none(
         listing = await store.list(STATE_PREFIX)
     assert listing.revision == 2 and store.base == 0
     assert any("is not a number" in r.getMessage() for r in caplog.records)
+
+
+class Away(MemoryStore):
+    """A store whose reads of the base wait at `gate` and then fail while
+    `down`: etcd away, each read taking its whole timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+        self.gate = asyncio.Event()
+        self.base_reads = 0
+
+    async def list(self, prefix: str) -> Listing:
+        if prefix == BASE_KEY:
+            self.base_reads += 1
+            await self.gate.wait()
+            if self.down:
+                raise StoreUnavailable("etcd list failed: UNAVAILABLE")
+        return await super().list(prefix)
+
+
+async def test_callers_before_the_base_is_loaded_share_one_read_and_its_failure() -> None:
+    """A replica started with etcd away: its callers (builder, election,
+    registry, quotas, loads) each waited their turn for a read of their own,
+    the fifth failing after five store timeouts (15 s)."""
+    inner = Away()
+    store = RebasedStore(inner)
+    calls = [asyncio.create_task(store.get(f"{K}{i}")) for i in range(5)]
+    await asyncio.sleep(0)
+    cancelled = asyncio.create_task(store.get(f"{K}x"))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # one caller leaves: the read goes on for the others
+    await asyncio.sleep(0)
+    assert inner.base_reads == 1
+    inner.gate.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailable) for r in results), results
+    assert inner.base_reads == 1
+    inner.down = False  # etcd back: the next caller reads again
+    assert await store.get(f"{K}0") is None
+    assert inner.base_reads == 2
+    await store.put(f"{K}0", b"x")
+    assert await store.get(f"{K}0") is not None
+    assert inner.base_reads == 2  # loaded once and for all
+    await store.close()
