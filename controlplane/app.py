@@ -127,6 +127,7 @@ class ControlPlane:
             self.catalog,
             settings.replica_id,
             lease_ttl=settings.lease_ttl,
+            traffic_every=settings.traffic_interval,
             current_version=self._current_version,
             current_etag=lambda: self.publisher.latest.etag if self.publisher.latest else "",
             store_epoch=lambda: rebased.base,
@@ -206,6 +207,7 @@ class ControlPlane:
             audit=self.audit,
             metrics=self.metrics,
             loads=lambda: self.loads.loads,
+            traffic_every=settings.traffic_interval,
         )
         self.web_runner: web.AppRunner | None = None
         self.http_port = 0

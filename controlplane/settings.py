@@ -33,6 +33,9 @@ class Settings:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     health_listen: str = ""
     quota_interval: float = 1.0
+    # How often a replica writes its proxies' traffic reports to etcd (when
+    # they changed): the status page's rates' window is three of these.
+    traffic_interval: float = 5.0
     etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
     audit_retention_days: float = audit.RETENTION_DAYS
     audit_max_entries: int = audit.MAX_ENTRIES
@@ -167,6 +170,14 @@ def parser() -> argparse.ArgumentParser:
         " (default: %(default)s)",
     )
     p.add_argument(
+        "--traffic-interval-ms",
+        type=int,
+        default=5000,
+        help="how often this replica writes its proxies' traffic reports to etcd, when they"
+        " changed; the status page's rates are over three of these, and a proxy not heard"
+        " for as long is shown stale (default: %(default)s)",
+    )
+    p.add_argument(
         "--health-listen",
         type=listen_address,
         help="also serve gRPC health checking alone, in plaintext, on HOST:PORT "
@@ -260,6 +271,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--audit-max-entries must be at least 1")
     if a.quota_interval_ms < 50:
         p.error("--quota-interval-ms must be at least 50")
+    if a.traffic_interval_ms < 100:
+        p.error("--traffic-interval-ms must be at least 100")
     try:
         # A file may hold several tokens, one a line, all accepted: a token
         # is rotated without a flag day (read_secrets).
@@ -313,6 +326,7 @@ def parse(argv: list[str]) -> Settings:
         security=security,
         health_listen=hostport(*a.health_listen) if a.health_listen else "",
         quota_interval=a.quota_interval_ms / 1000,
+        traffic_interval=a.traffic_interval_ms / 1000,
         etcd_tls=etcd_tls,
         audit_retention_days=a.audit_retention_days,
         audit_max_entries=a.audit_max_entries,

@@ -86,14 +86,14 @@ from ponto.v1 import routing_pb2 as pb
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).with_name("static")
-# A proxy not heard from for this long counts as sending nothing. Its
-# replica writes reports every TRAFFIC_EVERY seconds when they change, so this
-# is also the rates' window: a few reports.
-STALE_AFTER = 3 * TRAFFIC_EVERY
-# How often the replica samples the proxies' reports for the rates, viewed or
-# not (StatusWeb.sample_forever): twice per TRAFFIC_EVERY, so every report a
+# A proxy not heard from for STALE_REPORTS of its replica's report writes
+# (every TRAFFIC_EVERY seconds by default, --traffic-interval-ms, when they
+# change) counts as sending nothing; that is also the rates' window: a few
+# reports. The replica samples the proxies' reports for the rates, viewed or
+# not (StatusWeb.sample_forever), twice per write, so that every report a
 # replica writes is read before the next replaces it.
-SAMPLE_EVERY = TRAFFIC_EVERY / 2
+STALE_REPORTS = 3
+STALE_AFTER = STALE_REPORTS * TRAFFIC_EVERY
 # How long the page lists a proxy whose registration went (Departures).
 DEPARTED_KEEP_S = 900.0
 # The header every write must carry (see the module docstring).
@@ -211,8 +211,13 @@ class StatusWeb:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        traffic_every: float = TRAFFIC_EVERY,
     ) -> None:
+        """`traffic_every`: how often the replicas write their proxies'
+        reports (ProxyRegistry's, --traffic-interval-ms)."""
         self._catalog = catalog
+        self._traffic_every = traffic_every
+        self._stale_after = STALE_REPORTS * traffic_every
         self._publisher = publisher
         self._replica_id = replica_id
         # Every admin token accepted (a rotation's old and new); none: writes
@@ -229,12 +234,12 @@ class StatusWeb:
         self._monotonic = monotonic
         self._token_misses = TokenMisses()
         self._sleep = sleep  # sample_forever's, between samples
-        self._meter = RateMeter(window=STALE_AFTER)
+        self._meter = RateMeter(window=self._stale_after)
         # Per proxy connection, its tenants' limit refusals and slot waits.
-        self._limits = NamedRateMeter(window=STALE_AFTER)
+        self._limits = NamedRateMeter(window=self._stale_after)
         # Per proxy connection, what it sent each region (by name: a region
         # added to the table or a proxy's first request to one is no restart).
-        self._served = NamedRateMeter(window=STALE_AFTER)
+        self._served = NamedRateMeter(window=self._stale_after)
         self._departures = Departures()
         self._ids = RequestIds()
         self._unavailable: OrderedDict[tuple[str, str, str], Throttled] = OrderedDict()
@@ -423,7 +428,11 @@ class StatusWeb:
             ],
             "proxies": [
                 _proxy_row(
-                    p, latest_version, now, unknown_why(p, by_id, latest, latest_age, silences)
+                    p,
+                    latest_version,
+                    now,
+                    self._stale_after,
+                    unknown_why(p, by_id, latest, latest_age, silences),
                 )
                 for p in proxies
             ],
@@ -453,14 +462,16 @@ class StatusWeb:
         names = [r.name for r in latest.table.regions] if latest else []
         self._measure(await self._catalog.list_proxies(), names, now)
 
-    async def sample_forever(self, every: float = SAMPLE_EVERY) -> None:
+    async def sample_forever(self, every: float | None = None) -> None:
         """`sample` every `every` seconds until cancelled, whether or not
         anyone views the page: a meter measures from the samples it has, so
         one fed only by page views would measure from the first view (a burst
         before it, or before the window since the last view, counted nowhere).
-        Fed every SAMPLE_EVERY, its window holds every report of the last
-        STALE_AFTER seconds whenever the page is opened. A failed read is
+        Fed twice per report write (`every`, by default), its window holds
+        every report of the last STALE_REPORTS writes whenever the page is
+        opened. A failed read is
         logged when reads start failing and when they work again."""
+        every = self._traffic_every / 2 if every is None else every
         failing = False
         while True:
             await self._sleep(every)
@@ -508,8 +519,8 @@ class StatusWeb:
                 _add(out.tenants.setdefault(tenant, [0.0, 0.0]), held)
         return out
 
-    @staticmethod
     def _rates(
+        self,
         meter: WindowMeter[Sample, Result],
         key: str,
         p: ProxyRecord,
@@ -521,12 +532,12 @@ class StatusWeb:
         in `meter`; `quiet` (no rates) when it has not been heard for a while."""
         if not p.heard_at:
             return None
-        if now - p.heard_at > STALE_AFTER:
-            # Its replica writes a change within TRAFFIC_EVERY of hearing it, so
-            # these counts still held twice that ago (a margin for a late
+        if now - p.heard_at > self._stale_after:
+            # Its replica writes a change within traffic_every of hearing it,
+            # so these counts still held twice that ago (a margin for a late
             # write): the sample a burst after a quiet spell is measured from,
             # as the burst may come in a single write.
-            meter.observe(key, now - 2 * TRAFFIC_EVERY, counts)
+            meter.observe(key, now - 2 * self._traffic_every, counts)
             return quiet
         return meter.observe(key, p.heard_at, counts, start=_counting_from(p))
 
@@ -949,7 +960,9 @@ class Departures:
         return [self._gone[name] for name in sorted(self._gone)]
 
 
-def _proxy_row(p: ProxyRecord, latest: int, now: float, unknown: str = "") -> dict[str, Any]:
+def _proxy_row(
+    p: ProxyRecord, latest: int, now: float, stale_after: float, unknown: str = ""
+) -> dict[str, Any]:
     """A proxy's row; `unknown`: why its table state is not known
     (fleetstate.unknown_why), when it is not latest whatever it ACKed."""
     heard = p.heard_at or p.connected_at
@@ -971,7 +984,7 @@ def _proxy_row(p: ProxyRecord, latest: int, now: float, unknown: str = "") -> di
         # config, say), beside a refusal of the last one (last_error).
         "warnings": list(proxy_warnings(p)),
         "age_s": max(0.0, now - heard),
-        "stale": now - heard > STALE_AFTER,
+        "stale": now - heard > stale_after,
         "requests": p.requests,
     }
 

@@ -89,6 +89,12 @@ class StatusFleet:
         return Path(bundle.admin_token_file).read_text().strip()
 
 
+# How often the replica writes its proxies' reports (--traffic-interval-ms;
+# 5 s by default): the page's rates are over three of these, and a test that
+# waits them out waits less.
+TRAFFIC_EVERY_S = 2.0
+
+
 def start_status_fleet(workdir: Path) -> StatusFleet:
     """The demo's topology (three regions, an origin in each, proxies in
     us-east and eu-west), in mutual TLS with an admin token, and the control
@@ -103,6 +109,7 @@ def start_status_fleet(workdir: Path) -> StatusFleet:
             extra=[
                 *("--http-listen", listen, "--http-writes", "on"),
                 *("--probe-interval-ms", "300", "--rise", "1"),
+                *("--traffic-interval-ms", str(int(TRAFFIC_EVERY_S * 1000))),
             ]
         )
         for region in DEMO_REGIONS:

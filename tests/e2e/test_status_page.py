@@ -20,13 +20,12 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from controlplane.cli import main as pontoctl
-from controlplane.registry import TRAFFIC_EVERY
-from controlplane.web import STALE_AFTER
+from controlplane.web import STALE_REPORTS
 from ponto.routetable import OPEN_TENANT
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from tests.e2e.load import BODY
-from tests.e2e.statuspage import StatusFleet, chromium, start_status_fleet
+from tests.e2e.statuspage import TRAFFIC_EVERY_S, StatusFleet, chromium, start_status_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -242,10 +241,10 @@ def test_refusals_while_nobody_viewed_the_page_show_when_it_is_opened(
     browser.get("about:blank")  # nobody views the page from here on
     put_default(system, pb.Limits(rpm=2))
     try:
-        time.sleep(STALE_AFTER + 1.0)
+        time.sleep(STALE_REPORTS * TRAFFIC_EVERY_S + 1.0)
         refuse_some(system)
-        # Reported within a second, written to etcd within TRAFFIC_EVERY.
-        time.sleep(TRAFFIC_EVERY + 1.0)
+        # Reported within a second, written to etcd within TRAFFIC_EVERY_S.
+        time.sleep(TRAFFIC_EVERY_S + 1.0)
         browser.get(system.page)
         wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
         wait(browser, refusals_shown, "refusals made while nobody viewed the page never shown")

@@ -1469,3 +1469,22 @@ async def test_a_store_outage_is_logged_once_per_interval_however_often_the_page
         "GET /api/status: state store unavailable: etcd is away",
         "GET /api/status: state store unavailable: etcd is away (4 more not logged)",
     ]
+
+
+@pytest.mark.parametrize(("traffic_every", "stale"), [(30.0, True), (40.0, False)])
+async def test_a_proxy_is_stale_after_three_report_writes_of_its_replica(
+    plane: Plane, traffic_every: float, stale: bool
+) -> None:
+    """--traffic-interval-ms: the replicas write reports that often, and a
+    proxy not heard for three of them (here 100 s) is shown stale."""
+    server = TestServer(web_of(plane, traffic_every=traffic_every).app())
+    async with TestClient(server) as c:
+        status = await (await c.get("/api/status")).json()
+    assert {p["name"]: p["stale"] for p in status["proxies"]} == {"p-eu": stale, "p-us": stale}
+
+
+def test_the_traffic_interval_is_a_setting() -> None:
+    assert parse(["--traffic-interval-ms", "2000"]).traffic_interval == 2.0
+    assert parse([]).traffic_interval == 5.0
+    with pytest.raises(SystemExit):
+        parse(["--traffic-interval-ms", "10"])
