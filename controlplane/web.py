@@ -414,6 +414,8 @@ class StatusWeb:
             "writes": self.writes,
             "writes_off": self._writes_off,
             "now": now,
+            # What the rates average over (three report writes).
+            "rates_window_s": self._stale_after,
             "regions": [
                 _region_row(
                     r,

@@ -315,6 +315,10 @@ function render(status) {
   renderProxies(status.proxies, status.departed || []);
   renderFleetWarnings(status.fleet_warnings || []);
   renderLimits(status.tenants || []);
+  // The rates' window: three of the replicas' report writes (--traffic-interval-ms).
+  if (status.rates_window_s) {
+    document.getElementById("rates-window").textContent = String(Math.round(status.rates_window_s));
+  }
   document.body.dataset.loaded = "true";
 }
 

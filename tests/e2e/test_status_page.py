@@ -510,10 +510,15 @@ def test_limits_show_small_rates_finely_and_say_when_nobody_is_held_back(
     quiet = page.execute_script(
         "render(arguments[0]);"
         "return [document.getElementById('limits').hidden,"
-        " document.getElementById('limits-none').hidden];",
-        {**FAKE_STATUS, "tenants": []},
+        " document.getElementById('limits-none').hidden,"
+        " document.getElementById('limits-none').textContent];",
+        {**FAKE_STATUS, "tenants": [], "rates_window_s": 6.0},
     )
-    assert quiet == [True, False]
+    assert quiet == [
+        True,
+        False,
+        "No request refused by a rate limit or held for a slot in the last 6 s.",
+    ]
     # A rate not known yet (a proxy just connected and counted some) is a
     # dash with the reason on hover, and the table does not say "none".
     unknown = {**cast(list[dict[str, object]], FAKE_STATUS["tenants"])[0], "refused_per_s": None}

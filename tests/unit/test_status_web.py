@@ -1481,6 +1481,7 @@ async def test_a_proxy_is_stale_after_three_report_writes_of_its_replica(
     async with TestClient(server) as c:
         status = await (await c.get("/api/status")).json()
     assert {p["name"]: p["stale"] for p in status["proxies"]} == {"p-eu": stale, "p-us": stale}
+    assert status["rates_window_s"] == 3 * traffic_every  # the page says so
 
 
 def test_the_traffic_interval_is_a_setting() -> None:
