@@ -16,6 +16,8 @@ Pure: no I/O, no clock.
          probe_path: /api/version}    # the control plane's --probe-path when left out
       - {name: hosted-1, region: us-east, url: "https://api.example/v1", models: [gpt-4o],
          credential_env: HOSTED_KEY, probe: false, continuation: false}
+      - {name: ollama-2, region: us-east, url: "http://gpu2:11434/v1", models: [llama-3-8b],
+         model_names: {llama-3-8b: "llama3:8b"}}   # sent under the origin's own name
     tenants:
       - name: acme
         limits: {rpm: 600, tpm: 100000, concurrency: 20}
@@ -96,6 +98,7 @@ ORIGIN_FIELDS = (
     "continuation",
     "probe_path",
     "probe",
+    "model_names",
     "drained",
 )
 TENANT_FIELDS = (
@@ -370,6 +373,7 @@ def _origin(o: _Obj) -> Origin:
         continuation=o.get("continuation", bool, True),
         probe_path=o.get("probe_path", str, ""),
         probe=o.get("probe", bool, True),
+        model_names=tuple(o.mapping("model_names", str).items()),
     )
 
 
@@ -519,6 +523,8 @@ def origin_doc(o: Origin) -> dict[str, Any]:
         out["continuation"] = False
     if not o.probe:
         out["probe"] = False
+    if o.model_names:
+        out["model_names"] = dict(o.model_names)
     if o.drained:
         out["drained"] = True
     return out

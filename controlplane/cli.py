@@ -241,7 +241,7 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             o.name,
             o.region,
             o.base_url,
-            ",".join(o.models),
+            _served_as(o),
             str(o.weight),
             "yes" if o.drained else "no",
             # Cut: one origin's long detail (a probe's fix, an ejection)
@@ -255,6 +255,13 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
         for o in resp.origins
     ]
     return [*header, "CONTINUATION", "PROBE"], rows
+
+
+def _served_as(o: pb.Origin) -> str:
+    """An origin's models, each with the name the origin is sent for it when
+    that is another: `llama-3.1-8b (as llama3.1:8b),qwen`."""
+    names = o.model_names
+    return ",".join(f"{m} (as {names[m]})" if m in names else m for m in o.models)
 
 
 def _inflight(o: pb.Origin) -> str:
@@ -621,6 +628,16 @@ def _parser() -> argparse.ArgumentParser:
     oa.add_argument("--url", help="OpenAI-compatible base URL, with /v1 (needed to add one)")
     oa.add_argument("--region", help="the region it is in (add that first; needed to add one)")
     oa.add_argument("--models", help="comma-separated model names (needed to add one)")
+    oa.add_argument(
+        "--model-name",
+        action="append",
+        default=[],
+        metavar="MODEL=OWN_NAME",
+        help="the name the origin knows one of its --models by (an Ollama tag such as "
+        "llama3.1:8b, an Azure OpenAI deployment): requests for MODEL are sent to this "
+        "origin with OWN_NAME as their model (repeatable; MODEL= removes one; a model "
+        "dropped from --models drops its name too)",
+    )
     oa.add_argument(
         "--weight",
         # 0 is no weight: proxies refuse an origin of weight 0 (drain one to
@@ -1742,6 +1759,15 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
         spec.region = args.region
     if args.models is not None:
         spec.models[:] = [m.strip() for m in args.models.split(",") if m.strip()]
+        # A model no longer served keeps no name of its own: it would make
+        # the origin invalid, and `--models` alone is how one drops a model.
+        for public in [p for p in spec.model_names if p not in spec.models]:
+            del spec.model_names[public]
+    for public, own in _pairs(args.model_name, "--model-name").items():
+        if own:
+            spec.model_names[public] = own
+        else:  # MODEL= removes it
+            spec.model_names.pop(public, None)
     if args.weight:  # 0: not given (a new origin: the default; admin.proto)
         spec.weight = args.weight
     if args.capacity is not None:
@@ -1780,6 +1806,7 @@ def _as_spec(o: pb.Origin) -> apb.OriginSpec:
         continuation="off" if o.no_continuation else "on",
         probe_path=o.probe_path,
         probe="off" if o.not_probed else "on",
+        model_names=dict(o.model_names),
     )
 
 
@@ -1790,7 +1817,7 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
         return {
             "url": o.base_url,
             "region": o.region,
-            "models": ",".join(o.models),
+            "models": _served_as(o),
             "weight": str(o.weight),
             "capacity": str(o.capacity or "unknown"),
             "credential_env": o.credential_env or "-",

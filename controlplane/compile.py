@@ -69,6 +69,7 @@ def compile_table(state: State) -> pb.RouteTable:
                 inflight_unknown=unmeasured,
                 probe_path=origin.probe_path,
                 not_probed=not origin.probe,
+                model_names=dict(origin.model_names),
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):

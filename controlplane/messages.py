@@ -48,6 +48,7 @@ def origin_of(spec: apb.OriginSpec) -> Origin:
         continuation=_on_off(spec.continuation, "continuation"),
         probe_path=spec.probe_path,
         probe=_on_off(spec.probe, "probe"),
+        model_names=tuple(spec.model_names.items()),
     )
 
 

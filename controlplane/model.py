@@ -23,6 +23,8 @@ from dataplane.assemble import RESPONSES_TOKEN_FIELDS, TOKEN_FIELDS
 from dataplane.http.fields import check_default
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
+# An origin's own name for a model (Origin.model_names), in UTF-8 bytes.
+MAX_OWN_MODEL_NAME_BYTES = 256
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}\Z")
 # What MODEL_RE takes, said with every refusal of a model name (trial 66: a
 # llama.cpp server's default id, its model file's path, was refused without it).
@@ -313,6 +315,11 @@ class Origin:
     # unauthenticated path): it counts as healthy in every table, and the
     # proxies' passive health (ejection) alone judges it.
     probe: bool = True
+    # (public model name, the origin's own name for it), sorted by public
+    # name: what the proxies put in the `model` of a request they send it
+    # (an Ollama tag, an Azure OpenAI deployment); a model not named here is
+    # sent under its public name. Pairs rather than a dict: frozen, hashable.
+    model_names: tuple[tuple[str, str], ...] = ()
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -379,7 +386,48 @@ class Origin:
                 f"origin {self.name!r}: a probe path with probing off (give one or the other)",
                 field="probe_path",
             )
-        return replace(self, base_url=url, weight=weight, models=tuple(sorted(self.models)))
+        served = set(self.models)
+        names = dict(self.model_names)
+        if len(names) != len(self.model_names):
+            raise InvalidArgument(
+                f"origin {self.name!r} names a model's own name twice", field="model_names"
+            )
+        for public, own in names.items():
+            if public not in served:
+                raise InvalidArgument(
+                    f"model_names of origin {self.name!r} names {public!r}, which is not among "
+                    f"its models ({', '.join(sorted(served))}): add it to its models, or map "
+                    "one of those",
+                    field=f"model_names.{public}",
+                )
+            problem = own_model_name_problem(own)
+            if problem:
+                raise InvalidArgument(
+                    f"origin {self.name!r}: its own name for model {public!r} {problem}",
+                    field=f"model_names.{public}",
+                )
+        return replace(
+            self,
+            base_url=url,
+            weight=weight,
+            models=tuple(sorted(self.models)),
+            model_names=tuple(sorted(names.items())),
+        )
+
+
+def own_model_name_problem(name: str) -> str:
+    """What is wrong with `name` as an origin's own name for a model, "" when
+    nothing is. Looser than MODEL_RE on purpose: clients never send it, and
+    origins' names are not ours to choose (an Azure deployment, a llama.cpp
+    model file's path). Only what cannot go into a JSON string a server reads
+    as a name is refused."""
+    if not name:
+        return "is empty"
+    if len(name.encode()) > MAX_OWN_MODEL_NAME_BYTES:
+        return f"is over {MAX_OWN_MODEL_NAME_BYTES} bytes"
+    if any(ch < " " or "\x7f" <= ch <= "\x9f" for ch in name):
+        return f"{name!r} holds a control character"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,6 +558,7 @@ def decode_health(raw: bytes) -> OriginHealth:
 def decode_origin(raw: bytes) -> Origin:
     fields = _fields(Origin, raw)
     fields["models"] = tuple(fields.get("models", ()))
+    fields["model_names"] = tuple((str(k), str(v)) for k, v in fields.get("model_names", ()))
     return Origin(**fields)
 
 

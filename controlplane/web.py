@@ -795,6 +795,9 @@ def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> 
         "capacity": o.capacity,
         "load": inflight / o.capacity if o.capacity and inflight is not None else None,
         "models": list(o.models),
+        # Public model name -> the origin's own name for it, for those sent
+        # under another name ({}: every model under its public name).
+        "model_names": dict(o.model_names),
         # The server its metrics page shows (controlplane.load.KINDS); None
         # until a page was read.
         "server": o.server_kind or None,

@@ -208,6 +208,7 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         inflight_unknown=health.inflight_unknown if health and o.probe else not o.probe,
         probe_path=o.probe_path,
         not_probed=not o.probe,
+        model_names=dict(o.model_names),
     )
 
 

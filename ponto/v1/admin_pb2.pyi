@@ -94,6 +94,26 @@ Global___RegionSpec: _TypeAlias = RegionSpec  # noqa: Y015
 class OriginSpec(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ModelNamesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     BASE_URL_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
@@ -105,6 +125,7 @@ class OriginSpec(_message.Message):
     CONTINUATION_FIELD_NUMBER: _builtins.int
     PROBE_PATH_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
+    MODEL_NAMES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
@@ -136,6 +157,16 @@ class OriginSpec(_message.Message):
     """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def model_names(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Public model name (one of `models`, as clients name it) -> the name this
+        origin knows it by (an Ollama tag "llama3.1:8b", an Azure OpenAI
+        deployment, a hosted API's "meta-llama/Llama-3.1-8B-Instruct"): the
+        proxies send the origin its own name in the request's `model`. A key not
+        among `models`, or a name that is empty, over 256 bytes or holds control
+        characters, is INVALID_ARGUMENT. Models not named here are sent as asked.
+        """
+
     def __init__(
         self,
         *,
@@ -150,10 +181,11 @@ class OriginSpec(_message.Message):
         continuation: _builtins.str = ...,
         probe_path: _builtins.str = ...,
         probe: _builtins.str = ...,
+        model_names: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "models", b"models", "name", b"name", "probe", b"probe", "probe_path", b"probe_path", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "model_names", b"model_names", "models", b"models", "name", b"name", "probe", b"probe", "probe_path", b"probe_path", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -204,6 +204,26 @@ Global___Region: _TypeAlias = Region  # noqa: Y015
 class Origin(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ModelNamesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     BASE_URL_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
@@ -221,6 +241,7 @@ class Origin(_message.Message):
     INFLIGHT_UNKNOWN_FIELD_NUMBER: _builtins.int
     PROBE_PATH_FIELD_NUMBER: _builtins.int
     NOT_PROBED_FIELD_NUMBER: _builtins.int
+    MODEL_NAMES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -266,6 +287,12 @@ class Origin(_message.Message):
     not_probed: _builtins.bool
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def model_names(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Public model name -> the origin's own name for it (OriginSpec.model_names):
+        the `model` the proxy sends this origin for a request of that model.
+        """
+
     def __init__(
         self,
         *,
@@ -286,10 +313,11 @@ class Origin(_message.Message):
         inflight_unknown: _builtins.bool = ...,
         probe_path: _builtins.str = ...,
         not_probed: _builtins.bool = ...,
+        model_names: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "not_probed", b"not_probed", "probe_path", b"probe_path", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "model_names", b"model_names", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "not_probed", b"not_probed", "probe_path", b"probe_path", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
