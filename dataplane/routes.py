@@ -56,6 +56,10 @@ class Target:
     # What the Responses ids it stores carry (responseids.origin_tag of its
     # name), made with the table; "": made when asked (`id_tag`).
     tag: str = field(default="", compare=False)
+    # Public model name -> the origin's own name for it (an Ollama tag, an
+    # Azure deployment): the `model` the forwarder sends it (Forwarder._call).
+    # Empty for most origins, which cost nothing more then.
+    model_names: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     # Parsed once per table: building a URL from a string on every call costs
     # the upstream client more than the rest of the request line.
     urls: dict[str, URL] = field(default_factory=dict, compare=False, repr=False)
@@ -423,6 +427,7 @@ def _add_target(
         continuation=not o.no_continuation,
         credential=_credential(o),
         tag=origin_tag(o.name),
+        model_names=dict(o.model_names),
     )
     for model in models:
         by_model.setdefault(model, {}).setdefault(o.region, []).append(target)

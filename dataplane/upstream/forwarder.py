@@ -28,6 +28,7 @@ import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
@@ -1124,8 +1125,18 @@ class Forwarder:
         review: every stream of a client that asked for no usage got the
         origin's 400 naming a member it never sent, and nothing said why).
         Not a coroutine itself: the common call is `_call_once`'s own, with
-        no frame around it (every request makes one)."""
+        no frame around it (every request makes one).
+
+        To an origin that knows the request's model by another name
+        (Target.model_names), the body sent names it so: per attempt, so a
+        failover or a hedge to another origin sends that one's name, or the
+        client's. Only those bodies are encoded again; others go as given."""
         plain = tries.plain_body if tries is not None else None
+        names = target.model_names
+        if names and tries is not None and (own := names.get(tries.model)) is not None:
+            body = renamed(body, own)
+            if plain is not None:
+                plain = partial(_renamed_plain, plain, own)
         if plain is None:
             return self._call_once(target, path, body, headers, attempt, stream, tries)
         if target.name in self.refuses_stream_options:
@@ -1356,7 +1367,10 @@ class Forwarder:
                     elif resp.status == NOT_FOUND and body_read is not None and method is None:
                         # (A stored response's path is no endpoint's: an origin
                         # without it, or without the response, answers for it.)
-                        _check_not_found(body_read, path, tries.model if tries else "")
+                        # Its own name for the model, which its 404 names; the
+                        # client is told the public one (forward: model_not_found).
+                        model = tries.model if tries else ""
+                        _check_not_found(body_read, path, target.model_names.get(model, model))
                     if resp.status < 400 and method is None:
                         # Refusals come back at once and would make "slow" look fast.
                         took = loop.time() - sent_at
@@ -1667,6 +1681,18 @@ def _missing_answer(parsed: dict[str, Any], path: str) -> str:
 
 
 NOT_FOUND = 404
+
+
+def renamed(body: bytes, model: str) -> bytes:
+    """`body` (a JSON object) with `model` as its model: what an origin that
+    knows the request's model by another name is sent (Forwarder._call)."""
+    obj = jsonio.loads(body)
+    obj["model"] = model
+    return jsonio.dumps(obj)
+
+
+def _renamed_plain(plain: Callable[[], bytes], model: str) -> bytes:
+    return renamed(plain(), model)
 
 
 def _check_not_found(body: bytes, path: str, model: str = "") -> None:
