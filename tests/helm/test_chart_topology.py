@@ -115,6 +115,7 @@ EVERY_FIELD: Doc = {
                 "weight": 1,
                 "credential_file": "/etc/ponto/keys/euw1",
                 "probe": False,
+                "model_names": {"llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct"},
             },
         ],
         "tenants": [
@@ -220,6 +221,9 @@ def test_a_topology_with_every_field_apply_takes_renders_and_parses(
     assert [o.name for o in desired.origins] == ["vllm-use1", "vllm-euw1"]
     assert desired.origins[0].continuation is False
     assert desired.origins[0].probe_path == "/health" and desired.origins[1].probe is False
+    assert desired.origins[1].model_names == (
+        ("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    )
     acme = desired.tenants[0]
     assert acme.routing.load_bound == pytest.approx(1.25)
     assert acme.streams.hedge_auto is True
@@ -247,6 +251,10 @@ def _tenant(**fields: Any) -> Doc:
         (_origin(probe_path="health"), "probe_path"),
         (_origin(probe_path="/health#x"), "probe_path"),
         (_origin(probe_path="/", probe=False), "origins.0"),
+        (_origin(model_names={"m": ""}), "model_names.m"),
+        (_origin(model_names={"m": "x" * 257}), "model_names.m"),
+        (_origin(model_names={"m": "llama3\n"}), "model_names.m"),
+        (_origin(model_names={"M m": "x"}), 'Property name of "M m" does not match'),
         (_tenant(cache={"semantic_threshold": 0.3}), "semantic_threshold"),
         (_tenant(cache={"semantic_max_error": 0.5}), "semantic_max_error"),
         (_tenant(routing={"mode": "random"}), "routing.mode"),
