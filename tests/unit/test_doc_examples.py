@@ -52,6 +52,7 @@ async def test_the_docs_apply_examples_pass_a_dry_run() -> None:
         "README.md",
         "helm.md",
         "operations.md",
+        "routing.md",
         "security.md",
     }
     # The README shows where a tenant's aliases go: under prompt:.
