@@ -390,7 +390,7 @@ class Origin:
         names = dict(self.model_names)
         if len(names) != len(self.model_names):
             raise InvalidArgument(
-                f"origin {self.name!r} names a model's own name twice", field="model_names"
+                f"origin {self.name!r} gives a model two own names", field="model_names"
             )
         for public, own in names.items():
             if public not in served:

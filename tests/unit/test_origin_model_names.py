@@ -48,6 +48,10 @@ def test_a_name_for_a_served_model_is_kept_sorted() -> None:
     # Looser than a public model name: a llama.cpp file path, a space.
     path = replace(OLLAMA, model_names=(("qwen", "/models/Qwen 2.5 7B-Q4_K_M.gguf"),))
     assert path.validated().model_names == (("qwen", "/models/Qwen 2.5 7B-Q4_K_M.gguf"),)
+    # Pairs as a record edited by hand might hold them: one model, two names.
+    twice = replace(OLLAMA, model_names=(("qwen", "a"), ("qwen", "b")))
+    with pytest.raises(InvalidArgument, match="gives a model two own names"):
+        twice.validated()
 
 
 def test_a_name_for_a_model_the_origin_does_not_serve_is_refused() -> None:
