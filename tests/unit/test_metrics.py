@@ -89,6 +89,24 @@ def test_key_labels_can_be_left_out_of_the_per_tenant_series() -> None:
     assert get("ponto_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) == 10
 
 
+def test_jwt_callers_are_labelled_by_their_tenant_not_their_subject() -> None:
+    """Trial 67: each JWT subject (its issuer mints any number) was a series
+    of its own, and a cell kept in memory, for good."""
+    m = Metrics()
+    for i in range(100):
+        m.account_request("acme", f"jwt:acme:user-{i}", 200)
+        m.account_tokens("acme", f"jwt:acme:user-{i}", Usage(2, 1))
+    m.account_request("acme", "k3y1d", 200)  # an API key is named by its id
+    get = m.registry.get_sample_value
+    jwt = {"tenant": "acme", "key": "jwt:acme"}
+    assert get("ponto_tenant_requests_total", {**jwt, "code": "200"}) == 100
+    assert get("ponto_tenant_tokens_total", {**jwt, "kind": "prompt"}) == 200
+    assert get("ponto_tenant_requests_total", {"tenant": "acme", "key": "k3y1d", "code": "200"})
+    text = generate_latest(m.registry).decode()
+    assert "user-" not in text
+    assert len(m._requests_of) == 2
+
+
 def test_the_regional_cache_is_up_or_degraded_only_when_there_is_one() -> None:
     m = Metrics()
     assert "ponto_cache_region_up" not in generate_latest(m.registry).decode()
