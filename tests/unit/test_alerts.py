@@ -4,6 +4,7 @@ test rules`), reading only metrics the code exports, tuned by values."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,15 @@ def test_the_fast_burn_is_tuned_apart_from_the_slow_one() -> None:
     assert ") > 0.05\n" in slow["expr"] and "[5m]" in slow["expr"]
     assert fast["for"] == "2m" and fast["labels"]["severity"] == "critical"
     assert "> 3600\n" in rules["PontoJwksStale"]["expr"]
+
+
+def test_descriptions_say_thresholds_as_their_values_are_said(spec: dict[str, Any]) -> None:
+    """Trial 67: "10% of the answers ... are 5xx (threshold 0.05 )": a ratio
+    beside a percentage, and a space before the parenthesis closed."""
+    for name, rule in alert_rules(spec).items():
+        description = rule["annotations"]["description"]
+        assert " )" not in description and " s)" not in description, (name, description)
+        if "humanizePercentage" in description and "(threshold" in description:
+            assert re.search(r"\(threshold [0-9.]+%\)", description), (name, description)
+    described = alert_rules(spec)["PontoHighErrorRatio"]["annotations"]["description"]
+    assert described.endswith("are 5xx (threshold 5%).")
