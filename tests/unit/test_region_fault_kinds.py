@@ -130,3 +130,16 @@ async def test_a_cluster_node_keeps_the_breaker_open_though_it_answers_ping() ->
         assert link.available
     finally:
         await link.close()
+
+
+def test_skipped_writes_are_exported_from_0_for_the_alert() -> None:
+    """PontoRegionCacheRefusingWrites reads increase(), which misses a
+    series' first count: each operation and reason is there from the start
+    (trial 67)."""
+    metrics = Metrics()
+    RegionLink("redis://127.0.0.1:1/0", metrics, watch_tick_s=None)
+    get = metrics.registry.get_sample_value
+    for op in ("set", "lock", "sem_publish"):
+        for reason in ("full", "read-only"):
+            labels = {"op": op, "reason": reason}
+            assert get("ponto_cache_region_writes_skipped_total", labels) == 0, labels
