@@ -175,7 +175,8 @@ def parser() -> argparse.ArgumentParser:
         default=5000,
         help="how often this replica writes its proxies' traffic reports to etcd, when they"
         " changed; the status page's rates are over three of these, and a proxy not heard"
-        " for as long is shown stale (default: %(default)s)",
+        " for as long is shown stale; the same on every replica (default: %(default)s;"
+        " at least 1000)",
     )
     p.add_argument(
         "--health-listen",
@@ -271,8 +272,10 @@ def parse(argv: list[str]) -> Settings:
         p.error("--audit-max-entries must be at least 1")
     if a.quota_interval_ms < 50:
         p.error("--quota-interval-ms must be at least 50")
-    if a.traffic_interval_ms < 100:
-        p.error("--traffic-interval-ms must be at least 100")
+    if a.traffic_interval_ms < 1000:
+        # Proxies report about once a second (their --report-interval-ms):
+        # a window of three shorter writes would show busy proxies stale.
+        p.error("--traffic-interval-ms must be at least 1000")
     try:
         # A file may hold several tokens, one a line, all accepted: a token
         # is rotated without a flag day (read_secrets).

@@ -305,7 +305,10 @@ _ORIGINS_FAILURES: Final = frozenset({408, 429})
 def excused_here(ex: Exchange, status: int, error: str) -> bool:
     """Origins were called, and the request failed for its client's own
     doing: an origin refused it as a bad request (a 4xx other than 408 and
-    429), or its client left or stopped reading (a 499). The region served
+    429, not the proxy's own model_not_found once every origin lacked the
+    model: a wrong own name set for one), or its client left or stopped
+    reading once its answer had begun (a 499; one that left waiting for an
+    origin that never answered is the region's failure). The region served
     it and failed nothing, so the status page counts it served but not among
     the region's errors (`Metrics.excused`; review: every 400 an origin gave
     a malformed prompt, and every client that closed a stream, read as the
@@ -313,7 +316,9 @@ def excused_here(ex: Exchange, status: int, error: str) -> bool:
     if ex.attempts == 0 or not error:
         return False
     if error in (CLIENT_GONE, SEND_TIMEOUT):
-        return True
+        return ex.answer is not None
+    if error == "model_not_found":  # errors.model_not_found, from the forwarder
+        return False
     return 400 <= status < 500 and status not in _ORIGINS_FAILURES
 
 

@@ -1008,7 +1008,8 @@ class Forwarder:
             return  # the origin did answer: not a failure of its health
         if exc.outcome == MODEL_MISSING:
             tries.model_missing += 1
-            self._model_missing(target.name, tries.model or "?", str(exc))
+            model = tries.model or "?"
+            self._model_missing(target.name, model, str(exc), target.model_names.get(model, ""))
             # Not against its health: ejection is of the whole origin, which
             # may serve its other models well (one adapter not loaded would
             # take a healthy replica from every model's traffic).
@@ -1044,16 +1045,20 @@ class Forwarder:
             return
         self._failure(target.name, str(exc))
 
-    def _model_missing(self, origin: str, model: str, said: str) -> None:
+    def _model_missing(self, origin: str, model: str, said: str, own: str = "") -> None:
         """`origin` answered that it lacks `model` (which the route table
-        lists it for): counted, and told at most once a minute per origin."""
+        lists it for; asked for under its `own` name for it, when it has one):
+        counted by the public name, and told at most once a minute per origin
+        with the name it was sent (review: a mistyped own name was reported
+        as the public model missing, which sent the operator to pull it)."""
         self._metrics.model_missing.labels(origin, model).inc()
         self._missing_told.log(
             origin,
             logging.WARNING,
-            "origin %s lacks model %s, which the route table lists it for (a LoRA adapter "
-            "not loaded, a model not pulled?); failed over: %s",
-            origin, model, said,
+            "origin %s lacks model %s%s, which the route table lists it for (a LoRA adapter "
+            "not loaded, a model not pulled%s?); failed over: %s",
+            origin, model, f" (sent as its own name {own!r})" if own else "",
+            ", its own name for it mistyped" if own else "", said,
         )  # fmt: skip
 
     def _failure(self, origin: str, why: str) -> None:

@@ -149,7 +149,7 @@ OLLAMA_404 = {"error": f"model '{OWN}' not found, try pulling it first"}
 
 
 async def test_an_origins_404_for_its_own_name_names_the_public_one(
-    proxy: Callable[..., Awaitable[Proxy]],
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
 ) -> None:
     async def lacks(request: web.Request) -> web.StreamResponse:
         return web.json_response(OLLAMA_404, status=404)
@@ -163,6 +163,12 @@ async def test_an_origins_404_for_its_own_name_names_the_public_one(
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert MODEL in err["message"] and OWN not in err["message"]
     assert asked(a) == [OWN]
+    # The operator is told the name the origin was sent (review: the public
+    # one alone sent them to pull a model that a typo in the own name lacked).
+    told = [r.getMessage() for r in caplog.records]
+    lines = [x for x in told if "which the route table lists it for" in x]
+    assert lines, "nothing said of the missing model"
+    assert all(f"lacks model {MODEL} (sent as its own name {OWN!r})" in x for x in lines), lines
 
 
 async def test_a_cut_stream_continues_on_a_mapped_origin_under_its_name(

@@ -344,6 +344,11 @@ async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts
         (1, 400, "400", True),  # an origin refused the request as bad
         (1, 499, CLIENT_GONE, True),  # its client left mid-answer
         (2, 499, SEND_TIMEOUT, True),  # its client stopped reading
+        # Its client left waiting for an origin that never answered (review:
+        # a region whose origins hang read 0 errors a second).
+        (1, 499, CLIENT_GONE, False),
+        # Every origin tried lacks the model (review: a wrong own name).
+        (2, 404, "model_not_found", False),
         (1, 429, "429", False),  # an overloaded origin fails its region
         (1, 408, "408", False),
         (1, 502, "502", False),
@@ -355,5 +360,13 @@ async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts
 def test_excused_failures_are_their_clients_doing(
     attempts: int, status: int, error: str, excused: bool
 ) -> None:
-    ex = cast(Exchange, SimpleNamespace(attempts=attempts))
+    # The answer's head went out to the client (Exchange.answer) in the
+    # excused cases; not in the others, which fail as much with it.
+    answer = object() if excused else None
+    ex = cast(Exchange, SimpleNamespace(attempts=attempts, answer=answer))
     assert excused_here(ex, status, error) is excused
+    if error in (CLIENT_GONE, SEND_TIMEOUT) and excused:
+        # The same client gone before any answer began is the region's.
+        assert not excused_here(
+            cast(Exchange, SimpleNamespace(attempts=attempts, answer=None)), status, error
+        )
