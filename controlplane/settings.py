@@ -175,8 +175,8 @@ def parser() -> argparse.ArgumentParser:
         default=5000,
         help="how often this replica writes its proxies' traffic reports to etcd, when they"
         " changed; the status page's rates are over three of these, and a proxy not heard"
-        " for as long is shown stale; the same on every replica (default: %(default)s;"
-        " at least 1000)",
+        " for as long is shown stale; the same on every replica, at least 1000"
+        " (default: %(default)s)",
     )
     p.add_argument(
         "--health-listen",
