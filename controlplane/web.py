@@ -93,7 +93,6 @@ STATIC = Path(__file__).with_name("static")
 # not (StatusWeb.sample_forever), twice per write, so that every report a
 # replica writes is read before the next replaces it.
 STALE_REPORTS = 3
-STALE_AFTER = STALE_REPORTS * TRAFFIC_EVERY
 # How long the page lists a proxy whose registration went (Departures).
 DEPARTED_KEEP_S = 900.0
 # The header every write must carry (see the module docstring).
@@ -464,16 +463,15 @@ class StatusWeb:
         names = [r.name for r in latest.table.regions] if latest else []
         self._measure(await self._catalog.list_proxies(), names, now)
 
-    async def sample_forever(self, every: float | None = None) -> None:
-        """`sample` every `every` seconds until cancelled, whether or not
+    async def sample_forever(self) -> None:
+        """`sample` twice per report write until cancelled, whether or not
         anyone views the page: a meter measures from the samples it has, so
         one fed only by page views would measure from the first view (a burst
         before it, or before the window since the last view, counted nowhere).
-        Fed twice per report write (`every`, by default), its window holds
-        every report of the last STALE_REPORTS writes whenever the page is
-        opened. A failed read is
-        logged when reads start failing and when they work again."""
-        every = self._traffic_every / 2 if every is None else every
+        Fed so, its window holds every report of the last STALE_REPORTS
+        writes whenever the page is opened. A failed read is logged when
+        reads start failing and when they work again."""
+        every = self._traffic_every / 2
         failing = False
         while True:
             await self._sleep(every)

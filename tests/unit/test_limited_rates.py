@@ -16,7 +16,7 @@ def _report(m: Metrics) -> dict[str, tuple[int, ...]]:
 
 def test_a_steadily_limited_tenant_keeps_its_rate_while_others_are_forgotten() -> None:
     m = Metrics()
-    meter = NamedRateMeter(window=3 * TRAFFIC_EVERY)  # web.py's STALE_AFTER
+    meter = NamedRateMeter(window=3 * TRAFFIC_EVERY)  # web.py's window: STALE_REPORTS writes
     # Already past the cap: MAX_LIMITED_TENANTS tenants limited once each.
     for i in range(MAX_LIMITED_TENANTS):
         m.limit_refusal(f"old{i}", "requests")
