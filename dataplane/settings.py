@@ -18,6 +18,7 @@ from dataplane.http.cors import CorsPolicy
 from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
+from dataplane.ratelimit.limiter import DEMAND_TAU_S
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QUEUE_TIMEOUT
@@ -95,6 +96,8 @@ class Settings:
     cors: CorsPolicy | None = None
     credentials: ClientOptions = field(default_factory=ClientOptions)
     report_interval: float = 1.0
+    # RateLimiter's demand_tau_s (the hidden --demand-tau-ms: tests only).
+    demand_tau: float = DEMAND_TAU_S
     cache_max_bytes: int = 256 << 20
     drain_seconds: float = 0.0
     cache: CacheDefaults = field(default_factory=CacheDefaults)
@@ -412,6 +415,11 @@ def parse(argv: list[str]) -> Settings:
         default=1000,
         help="how often rate-limit demand is reported to the control plane",
     )
+    # The time constant of rate-limit demand (DEMAND_TAU_S): hidden, for tests
+    # that would otherwise wait out a 5 s fade.
+    p.add_argument(
+        "--demand-tau-ms", type=int, default=int(DEMAND_TAU_S * 1000), help=argparse.SUPPRESS
+    )
     p.add_argument(
         "--cache-max-mb",
         type=int,
@@ -674,6 +682,8 @@ def parse(argv: list[str]) -> Settings:
         p.error("--access-log-sample must be in (0, 1]")
     if a.report_interval_ms < 50:
         p.error("--report-interval-ms must be at least 50")
+    if a.demand_tau_ms < 100:
+        p.error("--demand-tau-ms must be at least 100")
     if a.ready_file is not None and a.worker_index is None:
         # Written once the proxy listens (its directory made if need be): one
         # it could not write failed then (a traceback, or for a group nothing
@@ -736,6 +746,7 @@ def parse(argv: list[str]) -> Settings:
         cors=cors,
         credentials=credentials,
         report_interval=a.report_interval_ms / 1000,
+        demand_tau=a.demand_tau_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,
         drain_seconds=a.drain_seconds,
         cache=CacheDefaults(

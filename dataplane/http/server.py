@@ -127,7 +127,7 @@ class Proxy:
             lambda routes, policy: key_sets.track(policy.authenticator.jwks_urls)
         )
         # Its budget counts are this process's (RateLimiter.epoch).
-        self.limiter = RateLimiter(epoch=time.time())
+        self.limiter = RateLimiter(demand_tau_s=settings.demand_tau, epoch=time.time())
         self.quota = quota = QuotaState(self.limiter, settings.state_dir, proxy=settings.name)
         self.draining = Draining()
         self.loads = LoadBoard()

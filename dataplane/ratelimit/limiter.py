@@ -59,6 +59,11 @@ _IDLE_RATE = 1e-3
 # read as sparse.
 DEMAND_EVENTS = 3
 DEMAND_HORIZON_S = 60.0
+# That short time constant: how fast a scope's demand builds and fades while
+# its attempts come often (docs/rate-limits.md says why 5 s and not less). The
+# hidden --demand-tau-ms sets it, for tests that wait out a fade (e2e
+# test_global_limits runs at 1 s); production has no reason to change it.
+DEMAND_TAU_S = 5.0
 DEMAND_GAP_MAX_S = 2.0 * DEMAND_HORIZON_S / DEMAND_EVENTS
 _NO_MAX = 1 << 62
 
@@ -440,7 +445,11 @@ class RateLimiter:
     """Enforces this proxy's shares of global limits; see the module docstring."""
 
     def __init__(
-        self, *, unknown_retry_s: float = 1.0, demand_tau_s: float = 5.0, epoch: float = 0.0
+        self,
+        *,
+        unknown_retry_s: float = 1.0,
+        demand_tau_s: float = DEMAND_TAU_S,
+        epoch: float = 0.0,
     ) -> None:
         """`unknown_retry_s`: the Retry-After when no refill can tell (no share
         yet, or all slots busy), about one rebalance. `demand_tau_s`: time

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.model import NAME_RE as CONTROL_NAME_RE
+from dataplane.ratelimit.limiter import DEMAND_TAU_S
 from dataplane.settings import (
     MAX_NAME,
     NAME_RE,
@@ -183,3 +184,19 @@ def test_origin_connection_bounds_out_of_range_are_refused_at_start(
         parse([*BASE, "--state-dir", str(tmp_path), flag])
     assert exit_.value.code == 2
     assert problem in capsys.readouterr().err
+
+
+def test_the_demand_time_constant_is_five_seconds_unless_a_test_sets_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Hidden: the e2e limits tests shorten it so as not to wait out 5 s fades.
+    assert parse(BASE).demand_tau == DEMAND_TAU_S == 5.0
+    assert parse([*BASE, "--demand-tau-ms", "1000"]).demand_tau == 1.0
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    shown = capsys.readouterr().out
+    assert "--report-interval-ms" in shown and "--demand-tau-ms" not in shown
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, "--demand-tau-ms", "50"])
+    assert exit_.value.code == 2
+    assert "--demand-tau-ms must be at least 100" in capsys.readouterr().err
