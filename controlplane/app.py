@@ -437,7 +437,10 @@ async def over_etcd(settings: Settings) -> ControlPlane:
 
     metrics = ControlMetrics(replica=settings.replica_id)
     store = EtcdStore(
-        settings.etcd, tls=settings.etcd_tls, watch_failed=lambda: metrics.etcd_error("watch")
+        settings.etcd,
+        timeout=settings.etcd_timeout,
+        tls=settings.etcd_tls,
+        watch_failed=lambda: metrics.etcd_error("watch"),
     )
     await store.connect()
     return ControlPlane(settings, store, metrics=metrics)

@@ -68,6 +68,11 @@ REGRESSION_TOLD_S = 60.0
 # two leases (trial 43: 7-10 s to stop). An etcd that answers does in
 # milliseconds.
 REVOKE_AWAY_S = 0.5
+# A call's timeout: how long a replica waits for etcd before it says the store
+# is unreachable (its health's store status, "cannot build the route table
+# yet"). The control plane's hidden --etcd-timeout-ms sets it, for tests that
+# would otherwise wait it out (e2e test_control_plane_health runs at 1 s).
+CALL_TIMEOUT_S = 3.0
 # A read's attempt on one member gets this share of the call's timeout; the
 # rest is for the next members. etcd answers a read in milliseconds, or in
 # about an election timeout (1 s by default) while it elects a leader.
@@ -276,7 +281,7 @@ class EtcdStore:
         self,
         endpoints: Sequence[str],
         *,
-        timeout: float = 3.0,
+        timeout: float = CALL_TIMEOUT_S,
         tls: EtcdTls | None = None,
         watch_failed: Callable[[], None] = lambda: None,
     ) -> None:
