@@ -1,6 +1,7 @@
 """The chart's PrometheusRule: valid rules, each alert firing on the series it is
-about and quiet on the others (tests/alerts/ponto-alerts.test.yaml through `promtool
-test rules`), reading only metrics the code exports, tuned by values."""
+about and quiet on the others (tests/alerts/ponto-alerts.test.yaml and
+ponto-alerts-daylong.test.yaml through `promtool test rules`), reading only
+metrics the code exports, tuned by values."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from tests.monitoring import (
 )
 
 CASES = ROOT / "tests" / "alerts" / "ponto-alerts.test.yaml"
+# The cache alerts' cases, against those alerts' rules alone (the file says why).
+DAYLONG = ROOT / "tests" / "alerts" / "ponto-alerts-daylong.test.yaml"
 ALERTS = {
     "PontoProxyStaleTable",
     "PontoProxyNoControlPlane",
@@ -63,20 +66,43 @@ def spec() -> dict[str, Any]:
     return rule_spec()
 
 
-def promtool_test(spec: dict[str, Any], workdir: Path, only: str | None = None) -> tuple[int, str]:
-    """Runs the cases against the rules. Annotations are left out: promtool would
-    compare their full text; test_every_alert_explains_itself checks them instead.
-    `only`: the cases of that alert alone (the cache alerts' day-long series
-    take promtool some 7 of the file's 8 s)."""
-    bare = {
-        "groups": [
-            {**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
-            for g in spec["groups"]
-        ]
+def alerts_cased_in(cases: Path) -> set[str]:
+    return {
+        e["alertname"]
+        for t in yaml.safe_load(cases.read_text())["tests"]
+        for e in t["alert_rule_test"]
     }
-    (workdir / "rules.yaml").write_text(yaml.safe_dump(bare))
+
+
+def bare_rules(spec: dict[str, Any], alerts: set[str] | None = None) -> dict[str, Any]:
+    """The spec's rules (those of `alerts` if given) without their annotations:
+    promtool would compare their full text; test_every_alert_explains_itself
+    checks them instead."""
+    groups = [
+        {
+            **g,
+            "rules": [
+                {k: v for k, v in r.items() if k != "annotations"}
+                for r in g["rules"]
+                if alerts is None or r.get("alert") in alerts
+            ],
+        }
+        for g in spec["groups"]
+    ]
+    return {"groups": [g for g in groups if g["rules"]]}
+
+
+def promtool_test(spec: dict[str, Any], workdir: Path, only: str | None = None) -> tuple[int, str]:
+    """Runs both case files against the rules, in one promtool: DAYLONG
+    against the rules of the alerts it tests alone. `only`: the cases of that
+    alert in CASES alone (the rest take promtool some 6 s)."""
+    (workdir / "rules.yaml").write_text(yaml.safe_dump(bare_rules(spec)))
     if only is None:
         shutil.copy(CASES, workdir / CASES.name)
+        shutil.copy(DAYLONG, workdir / DAYLONG.name)
+        daylong = bare_rules(spec, alerts_cased_in(DAYLONG))
+        (workdir / "rules-daylong.yaml").write_text(yaml.safe_dump(daylong))
+        files = [CASES.name, DAYLONG.name]
     else:
         cases = yaml.safe_load(CASES.read_text())
         groups = [
@@ -84,7 +110,8 @@ def promtool_test(spec: dict[str, Any], workdir: Path, only: str | None = None) 
         ]
         assert groups, f"no cases of {only}"
         (workdir / CASES.name).write_text(yaml.safe_dump({**cases, "tests": groups}))
-    out = run_promtool("test", "rules", CASES.name, cwd=workdir)
+        files = [CASES.name]
+    out = run_promtool("test", "rules", *files, cwd=workdir)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -104,8 +131,12 @@ def test_each_alert_fires_when_it_should_and_not_otherwise(
 
 
 def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
-    cases = yaml.safe_load(CASES.read_text())
-    evals = [e for t in cases["tests"] for e in t["alert_rule_test"]]
+    evals = [
+        e
+        for f in (CASES, DAYLONG)
+        for t in yaml.safe_load(f.read_text())["tests"]
+        for e in t["alert_rule_test"]
+    ]
     firing = {e["alertname"] for e in evals if e["exp_alerts"]}
     quiet = {e["alertname"] for e in evals if not e["exp_alerts"]}
     assert firing == quiet == ALERTS
