@@ -822,6 +822,27 @@ class Catalog:
             key_id, "its models cannot change", seen=seen, models=names
         )
 
+    async def set_key_suspended(self, key_id: str, suspended: bool) -> tuple[ApiKeyRecord, bool]:
+        """Suspend key `key_id` (proxies refuse its callers, 403
+        api_key_suspended) or resume it, keeping all else it has (its limits,
+        what its budgets spent, models, expiry): what `key revoke` cannot
+        undo, for a key suspected leaked or a caller to stop for a while. The
+        key now, and whether it was written: one that already is what was
+        asked is left unwritten. A revoked key is refused (FailedPrecondition),
+        an unknown one NotFound."""
+
+        def change(k: ApiKeyRecord) -> ApiKeyRecord | None:
+            if k.revoked:
+                raise FailedPrecondition(
+                    f"key {key_id!r} is revoked: its callers are refused for good, "
+                    "it cannot be suspended or resumed"
+                )
+            return None if k.suspended == suspended else replace(k, suspended=suspended)
+
+        return await self._update_if(
+            KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
+        )
+
     async def key_model_warnings(self, key: ApiKeyRecord) -> tuple[str, ...]:
         """model.access_warnings of key against its tenant and the origins
         stored now."""

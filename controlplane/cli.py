@@ -850,9 +850,9 @@ def _parser() -> argparse.ArgumentParser:
         "name", help="the tenant's name"
     )
 
-    key = sub.add_parser("key", help="create, list, expire and revoke API keys").add_subparsers(
-        dest="action", required=True
-    )
+    key = sub.add_parser(
+        "key", help="create, list, expire, suspend, resume and revoke API keys"
+    ).add_subparsers(dest="action", required=True)
     kc = key.add_parser("create", help="create a key; it is printed once, on the last line")
     kc.add_argument("--tenant", required=True, help="the tenant the key belongs to")
     kc.add_argument("--description", default="", help="a note shown by `key list`")
@@ -878,12 +878,22 @@ def _parser() -> argparse.ArgumentParser:
         "--all", action="store_true", help="active and revoked keys, with their STATE (the default)"
     )
     shown.add_argument(
-        "--active", action="store_true", help="only keys in use: hide revoked and expired ones"
+        "--active",
+        action="store_true",
+        help="only keys in use: hide revoked, expired and suspended ones",
     )
     kl.add_argument(
         "-o", "--output", choices=["table", "json", "yaml"], default="table", help="format"
     )
     key.add_parser("revoke", help="revoke a key by its id").add_argument(
+        "id", help="the key's id (key list)"
+    )
+    key.add_parser(
+        "suspend",
+        help="refuse a key's callers (403 api_key_suspended) until it is resumed, keeping its "
+        "limits, spend, models and expiry (a revoke cannot be undone)",
+    ).add_argument("id", help="the key's id (key list)")
+    key.add_parser("resume", help="serve a suspended key's callers again").add_argument(
         "id", help="the key's id (key list)"
     )
     ke = key.add_parser(
@@ -1118,11 +1128,14 @@ def _tenant_flags_given(args: argparse.Namespace) -> bool:
 
 # The calls the audit trail records (what `get audit --action` may name): the
 # Admin API's writes, drains recorded as Drain* or Undrain*.
+# The actions the audit trail names: each changing call's name, but for those
+# recorded as what they did (auditing.drain_action, key_suspension_action).
+_RENAMED_ACTIONS = {"SetKeySuspended": ("SuspendKey", "ResumeKey")}
 _AUDITED = frozenset(
     name
     for m in apb.DESCRIPTOR.services_by_name["Admin"].methods
     if not m.name.startswith(("List", "Get", "Export"))
-    for name in (m.name, m.name.replace("Drain", "Undrain", 1))
+    for name in _RENAMED_ACTIONS.get(m.name, (m.name, m.name.replace("Drain", "Undrain", 1)))
 )
 
 
@@ -1454,9 +1467,9 @@ def _rows_keys(
 
 
 def _keys_shown(resp: apb.ListKeysResponse, data: dict[str, Any]) -> dict[str, Any]:
-    """data (resp as JSON) with each key's `state` (active, expired or
-    revoked) as the table's STATE column says it (trial 52: a script had to
-    compare expires_at with the clock itself), then its `spent` (_spent_per_key)."""
+    """data (resp as JSON) with each key's `state` (_key_state) as the
+    table's STATE column says it (trial 52: a script had to compare
+    expires_at with the clock itself), then its `spent` (_spent_per_key)."""
     now = time.time()
     for key, k in zip(data.get("keys", []), resp.keys, strict=True):
         key["state"] = _key_state(k, now)
@@ -1490,16 +1503,23 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
-    """The keys of a table: none revoked; those past their expiry said apart."""
+    """The keys of a table: none revoked; those past their expiry, and those
+    suspended, said apart."""
     now = time.time()
     expired = sum(1 for k in keys if key_expired(k.expires_at, now))
-    return f"{len(keys)} keys ({expired} expired)" if expired else f"{len(keys)} active keys"
+    suspended = sum(1 for k in keys if k.suspended)
+    apart = [f"{n} {what}" for n, what in ((expired, "expired"), (suspended, "suspended")) if n]
+    return f"{len(keys)} keys ({', '.join(apart)})" if apart else f"{len(keys)} active keys"
 
 
 def _key_state(k: apb.ApiKeyInfo, now: float) -> str:
+    """active, revoked, expired, suspended, or expired,suspended (one
+    field: both must be undone before the key is served)."""
     if k.revoked:
         return "revoked"
-    return "expired" if key_expired(k.expires_at, now) else "active"
+    expired = key_expired(k.expires_at, now)
+    states = [s for s, on in (("expired", expired), ("suspended", k.suspended)) if on]
+    return ",".join(states) or "active"
 
 
 def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
@@ -2049,6 +2069,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             k = stub.SetKeyModels(apb.SetKeyModelsRequest(id=args.id, models=args.models or []))
             shown = ", ".join(k.models) if k.models else f"those of tenant {k.tenant}"
             return f"key {k.id} of tenant {k.tenant} may name models: {shown}"
+        if args.action in ("suspend", "resume"):
+            return _suspend(stub, args.id, args.action == "suspend")
         if args.action == "expire":
             k = stub.SetKeyExpiry(
                 apb.SetKeyExpiryRequest(id=args.id, expires_in_s=args.expires_in or 0.0)
@@ -2209,6 +2231,29 @@ def _revoke(stub: Any, key_id: str) -> str:
         return f"key {key_id} of tenant {current.tenant} was already revoked: nothing changed"
     k = stub.RevokeKey(apb.KeyRequest(id=key_id))
     return f"key {k.id} of tenant {k.tenant} revoked"
+
+
+def _suspend(stub: Any, key_id: str, suspended: bool) -> str:
+    """Suspend or resume key `key_id`, saying what the proxies do now. A
+    control plane older than suspension has no such call: UNIMPLEMENTED."""
+    before = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+    current = next((k for k in before.keys if k.id == key_id), None)
+    k = stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=suspended))
+    if current is not None and current.suspended == suspended:
+        state = "suspended" if suspended else "not suspended"
+        return f"key {k.id} of tenant {k.tenant} was already {state}: nothing changed"
+    if suspended:
+        return (
+            f"key {k.id} of tenant {k.tenant} suspended: proxies refuse its callers "
+            f"(403 api_key_suspended) once they take the next table; `pontoctl key resume "
+            f"{k.id}` serves them again"
+        )
+    if key_expired(k.expires_at, time.time()):
+        return (
+            f"key {k.id} of tenant {k.tenant} resumed, but it expired {utc(k.expires_at)}: "
+            f"proxies refuse it as expired (`pontoctl key expire {k.id} --in ...` or --never)"
+        )
+    return f"key {k.id} of tenant {k.tenant} resumed"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,7 @@ def compile_table(state: State) -> pb.RouteTable:
             limits=limits_pb(k.limits),
             expires_at=k.expires_at,
             models=k.models,
+            suspended=k.suspended,
         )
         for k in sorted(state.keys, key=lambda k: k.id)
         if not k.revoked and k.tenant in tenants

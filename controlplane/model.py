@@ -1314,6 +1314,8 @@ class ApiKeyRecord:
     expires_at: float = 0.0
     # The models its callers may name, within its tenant's (sorted); (): the tenant's.
     models: tuple[str, ...] = ()
+    # Its callers are refused (403 api_key_suspended) until it is resumed.
+    suspended: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1377,6 +1379,7 @@ def decode_key(raw: bytes) -> ApiKeyRecord:
     fields = _fields(ApiKeyRecord, raw)
     fields["limits"] = _limits(fields.get("limits"))
     fields["models"] = tuple(str(m) for m in fields.get("models", ()))
+    fields["suspended"] = fields.get("suspended") is True  # absent before suspension
     return ApiKeyRecord(**fields)
 
 

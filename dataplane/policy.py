@@ -117,6 +117,8 @@ class EdgePolicy:
     key_models: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # The tenants whose callers are refused (403 tenant_suspended).
     suspended: frozenset[str] = frozenset()
+    # The ids of the keys whose callers are refused (403 api_key_suspended).
+    suspended_keys: frozenset[str] = frozenset()
 
     def tenant(self, name: str) -> TenantRules:
         rules = self.tenants.get(name)
@@ -262,4 +264,8 @@ def build_policy(
     )
     purges = tuple((p.revision, p.tenant, p.model) for p in table.purges)
     suspended = frozenset(t.name for t in table.tenants if t.suspended)
-    return EdgePolicy(authenticator, tenants, limits, purges, default, key_models, suspended)
+    # A table from a control plane older than key suspension has none.
+    suspended_keys = frozenset(k.id for k in table.keys if k.suspended)
+    return EdgePolicy(
+        authenticator, tenants, limits, purges, default, key_models, suspended, suspended_keys
+    )

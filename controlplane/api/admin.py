@@ -223,6 +223,7 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
         revoked_at=k.revoked_at,
         expires_at=k.expires_at,
         models=k.models,
+        suspended=k.suspended,
     )
 
 
@@ -547,6 +548,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             self._catalog.key_model_warnings(key),
             f"key {key.id} saved; its models were not checked",
         )
+
+    @grpc_errors
+    @audited(auditing.set_key_suspended, auditing.key_suspension_action)
+    @fleet_warned
+    async def SetKeySuspended(
+        self, request: apb.SetKeySuspendedRequest, context: Ctx
+    ) -> apb.ApiKeyInfo:
+        saved, changed = await self._catalog.set_key_suspended(request.id, request.suspended)
+        auditing.note(changes=auditing.suspension_changes(request.suspended, changed))
+        return key_pb(saved)
 
     @grpc_errors
     @audited(auditing.set_key_expiry)

@@ -274,6 +274,23 @@ def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:
     return f"key/{req.id}", fields(req, leave=("id",)) or {"models": "[]"}
 
 
+def set_key_suspended(req: apb.SetKeySuspendedRequest, _: object) -> Description:
+    return f"key/{req.id}", {}
+
+
+def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:
+    """SuspendKey or ResumeKey, as drains are Drain<Kind> or Undrain<Kind>."""
+    return "SuspendKey" if req.suspended else "ResumeKey"
+
+
+def suspension_changes(suspended: bool, changed: bool) -> str:
+    """What a key's suspension (suspended) or resumption did, as an entry's
+    `changes` says it: "nothing" for a key that already was."""
+    if not changed:
+        return "nothing"
+    return f"suspended {_flag(not suspended)} -> {_flag(suspended)}"
+
+
 def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:
     if resp is not None:
         return f"key/{req.id}", {"expires_at": utc(resp.expires_at) if resp.expires_at else "never"}

@@ -155,6 +155,20 @@ def tenant_suspended() -> ApiError:
     )
 
 
+def api_key_suspended() -> ApiError:
+    """403 for a caller whose API key the operator suspended (`pontoctl key
+    suspend`): the key is known and good, and refused until it is resumed.
+    403 rather than 401, as for a suspended tenant: the SDKs raise
+    PermissionDeniedError and do not retry, and the caller is told the key
+    is not wrong, only stopped."""
+    return ApiError(
+        403,
+        "This API key is suspended: its requests are refused until it is resumed. Contact the "
+        "operator of this gateway.",
+        code="api_key_suspended",
+    )
+
+
 def model_not_found(name: str, refused_by: str = "") -> ApiError:
     """404 for a model the caller may not name, in OpenAI's words; the name as
     the client sent it, cut to 256 characters. `refused_by` is whose model

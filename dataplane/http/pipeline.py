@@ -47,6 +47,7 @@ from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
     Unauthorized,
+    api_key_suspended,
     bad_request,
     body_too_large,
     model_not_found,
@@ -401,7 +402,7 @@ class Pipeline:
                 ex.authenticated = True
             raise
         ex.authenticated = True
-        if ex.policy.suspended:
+        if ex.policy.suspended or ex.policy.suspended_keys:
             refuse_suspended(ex.policy, ex.principal)
 
     async def authenticate_after(self, ex: Exchange, pending: KeysPending) -> None:
@@ -1179,11 +1180,15 @@ def sole_authorization(headers: CIMultiDictProxy[str]) -> str | None:
 
 
 def refuse_suspended(policy: EdgePolicy, principal: Principal) -> None:
-    """403 tenant_suspended for a caller of a tenant the table suspends,
-    before anything else reads its request (nothing taken from its limits,
-    nothing reaches an origin)."""
+    """403 tenant_suspended for a caller of a tenant the table suspends, and
+    403 api_key_suspended for one of a key it suspends, before anything else
+    reads its request (nothing taken from its limits, nothing reaches an
+    origin). The tenant's first: lifting a key's suspension does not serve
+    a suspended tenant's callers."""
     if principal.tenant in policy.suspended:
         raise tenant_suspended()
+    if principal.key_id in policy.suspended_keys:
+        raise api_key_suspended()
 
 
 def authenticate(policy: EdgePolicy, authorization: str | None) -> Principal:

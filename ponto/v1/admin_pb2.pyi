@@ -711,6 +711,7 @@ class ApiKeyInfo(_message.Message):
     REVOKED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    SUSPENDED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant: _builtins.str
     description: _builtins.str
@@ -720,6 +721,8 @@ class ApiKeyInfo(_message.Message):
     revoked_at: _builtins.float
     expires_at: _builtins.float
     """Unix seconds from which proxies refuse the key; 0: never."""
+    suspended: _builtins.bool
+    """Refused by proxies (403 api_key_suspended) until resumed."""
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     @_builtins.property
@@ -740,10 +743,11 @@ class ApiKeyInfo(_message.Message):
         revoked_at: _builtins.float = ...,
         expires_at: _builtins.float = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        suspended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "models", b"models", "revoked", b"revoked", "revoked_at", b"revoked_at", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "models", b"models", "revoked", b"revoked", "revoked_at", b"revoked_at", "suspended", b"suspended", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -946,6 +950,33 @@ class SetKeyModelsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetKeyModelsRequest: _TypeAlias = SetKeyModelsRequest  # noqa: Y015
+
+@_typing.final
+class SetKeySuspendedRequest(_message.Message):
+    """Suspends a key (its callers refused, 403 api_key_suspended) or resumes it;
+    a revoked key is refused (FAILED_PRECONDITION). Setting what it already is
+    changes nothing and writes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SUSPENDED_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    suspended: _builtins.bool
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        suspended: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "suspended", b"suspended"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetKeySuspendedRequest: _TypeAlias = SetKeySuspendedRequest  # noqa: Y015
 
 @_typing.final
 class SetKeyExpiryRequest(_message.Message):

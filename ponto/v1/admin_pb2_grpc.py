@@ -125,6 +125,11 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
                 _registered_method=True)
+        self.SetKeySuspended = channel.unary_unary(
+                '/ponto.v1.Admin/SetKeySuspended',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.SetKeySuspendedRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+                _registered_method=True)
         self.PurgeCache = channel.unary_unary(
                 '/ponto.v1.Admin/PurgeCache',
                 request_serializer=ponto_dot_v1_dot_admin__pb2.PurgeCacheRequest.SerializeToString,
@@ -273,6 +278,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKeySuspended(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PurgeCache(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -409,6 +420,11 @@ def add_AdminServicer_to_server(servicer, server):
             'SetKeyModels': grpc.unary_unary_rpc_method_handler(
                     servicer.SetKeyModels,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
+            ),
+            'SetKeySuspended': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKeySuspended,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.SetKeySuspendedRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.SerializeToString,
             ),
             'PurgeCache': grpc.unary_unary_rpc_method_handler(
@@ -932,6 +948,33 @@ class Admin:
             target,
             '/ponto.v1.Admin/SetKeyModels',
             ponto_dot_v1_dot_admin__pb2.SetKeyModelsRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKeySuspended(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/SetKeySuspended',
+            ponto_dot_v1_dot_admin__pb2.SetKeySuspendedRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ApiKeyInfo.FromString,
             options,
             channel_credentials,

@@ -69,6 +69,7 @@ class AdminStub:
     SetKeyLimits: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]
     SetKeyExpiry: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyExpiryRequest, _admin_pb2.ApiKeyInfo]
     SetKeyModels: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeyModelsRequest, _admin_pb2.ApiKeyInfo]
+    SetKeySuspended: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetKeySuspendedRequest, _admin_pb2.ApiKeyInfo]
     PurgeCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]
     ListProxies: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]
     ListControlPlanes: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]
@@ -101,6 +102,7 @@ class AdminAsyncStub(AdminStub):
     SetKeyLimits: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyLimitsRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
     SetKeyExpiry: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyExpiryRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
     SetKeyModels: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeyModelsRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
+    SetKeySuspended: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetKeySuspendedRequest, _admin_pb2.ApiKeyInfo]  # type: ignore[assignment]
     PurgeCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeCacheRequest, _admin_pb2.PurgeCacheResponse]  # type: ignore[assignment]
     ListProxies: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListProxiesResponse]  # type: ignore[assignment]
     ListControlPlanes: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRequest, _admin_pb2.ListControlPlanesResponse]  # type: ignore[assignment]
@@ -236,6 +238,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
     def SetKeyModels(
         self,
         request: _admin_pb2.SetKeyModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetKeySuspended(
+        self,
+        request: _admin_pb2.SetKeySuspendedRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ApiKeyInfo, _abc.Awaitable[_admin_pb2.ApiKeyInfo]]: ...
 

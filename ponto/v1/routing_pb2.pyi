@@ -374,6 +374,7 @@ class ApiKey(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    SUSPENDED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public id, the middle part of the key (sk-ponto-<id>-<secret>)."""
     hash: _builtins.str
@@ -381,6 +382,10 @@ class ApiKey(_message.Message):
     tenant: _builtins.str
     expires_at: _builtins.float
     """Unix seconds from which the key is refused (401 expired_api_key); 0: never."""
+    suspended: _builtins.bool
+    """Its callers are refused (403 api_key_suspended) until it is resumed; its
+    limits, budgets' spend, models and expiry are kept (a revoke is final).
+    """
     @_builtins.property
     def limits(self) -> Global___Limits: ...
     @_builtins.property
@@ -398,10 +403,11 @@ class ApiKey(_message.Message):
         limits: Global___Limits | None = ...,
         expires_at: _builtins.float = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        suspended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "hash", b"hash", "id", b"id", "limits", b"limits", "models", b"models", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "hash", b"hash", "id", b"id", "limits", b"limits", "models", b"models", "suspended", b"suspended", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

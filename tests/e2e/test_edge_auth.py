@@ -433,6 +433,46 @@ def test_a_suspended_tenants_callers_are_refused_until_it_is_lifted(
     client.close()
 
 
+def test_a_suspended_key_is_refused_until_it_is_resumed(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key suspected leaked could only be revoked, for good. `key suspend`
+    refuses its callers (PermissionDeniedError, not retried by the openai
+    client), reaches no origin, leaves the tenant's other keys served, shows
+    in `key list` and the audit trail; `key resume` serves it again."""
+    ctl(fleet, capsys, "tenant", "add", "epsilon")
+    keys = [
+        ctl(fleet, capsys, "key", "create", "--tenant", "epsilon").strip().splitlines()[-1]
+        for _ in range(2)
+    ]
+    suspect_id = keys[0].split("-")[2]
+    converge(fleet, lambda t: sum(k.tenant == "epsilon" for k in t.keys) == 2)
+    client, other = (OpenAI(base_url=fleet.proxy_url("p1"), api_key=k, max_retries=0) for k in keys)
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+    said = ctl(fleet, capsys, "key", "suspend", suspect_id)
+    assert f"key {suspect_id} of tenant epsilon suspended" in said
+    converge(fleet, lambda t: any(k.suspended for k in t.keys if k.id == suspect_id))
+    listed = ctl(fleet, capsys, "key", "list", "--tenant", "epsilon")
+    [row] = [line for line in listed.splitlines() if line.startswith(suspect_id)]
+    assert row.split()[-1] == "suspended"
+    assert suspect_id not in ctl(fleet, capsys, "key", "list", "--active")
+    before = sim(fleet)["requests"]
+    with pytest.raises(PermissionDeniedError) as refused:
+        client.chat.completions.create(model="sim-small", messages=hi)
+    assert refused.value.code == "api_key_suspended"
+    assert sim(fleet)["requests"] == before
+    assert other.chat.completions.create(model="sim-small", messages=hi).choices
+    audit = ctl(fleet, capsys, "get", "audit", "--action", "SuspendKey", "-o", "json")
+    assert f"key/{suspect_id}" in audit and "suspended false -> true" in audit
+
+    assert "resumed" in ctl(fleet, capsys, "key", "resume", suspect_id)
+    converge(fleet, lambda t: not any(k.suspended for k in t.keys if k.id == suspect_id))
+    assert client.chat.completions.create(model="sim-small", messages=hi).choices
+    client.close()
+    other.close()
+
+
 def test_requests_and_tokens_are_accounted_per_tenant_and_key(
     fleet: Fleet, tenant_key: str, metrics_address: str
 ) -> None:

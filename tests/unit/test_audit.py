@@ -670,8 +670,10 @@ async def test_every_mutating_call_is_recorded_and_no_read(
         entries = (await stub.ListAudit(apb.ListAuditRequest(limit=1000))).entries
     recorded = [e.action for e in reversed(entries)]
     writes = [m.name for m in service.methods if not m.name.startswith(reads)]
-    # An empty DrainRequest has drained=false: an undrain, recorded as one.
-    assert recorded == [w.replace("Drain", "Undrain", 1) for w in writes]
+    # An empty DrainRequest has drained=false: an undrain, recorded as one;
+    # an empty SetKeySuspendedRequest likewise a resumption.
+    as_recorded = {"SetKeySuspended": "ResumeKey"}
+    assert recorded == [as_recorded.get(w, w.replace("Drain", "Undrain", 1)) for w in writes]
     assert {"PutRegion", "DrainOrigin", "SetKeyLimits", "PurgeCache", "Apply"} <= set(writes)
 
 
