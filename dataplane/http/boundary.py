@@ -18,7 +18,9 @@ from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
 from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
+    MODEL_NOT_FOUND_CODE,
     NOT_SERVER_ERRORS,
+    PROXY_STOPPING_CODE,
     ApiError,
     AuthUnavailableError,
     Unauthorized,
@@ -290,11 +292,19 @@ def cancel_reason(request: web.Request) -> str:
 def refused_here(ex: Exchange, status: int, error: str) -> bool:
     """The proxy refused the request itself, calling no origin, for the
     client's own doing: a 4xx (bad input, authentication, a rate limit, a
-    model not served, a client that left before any call) or a 5xx that is
+    model not served, a client that left before any answer) or a 5xx that is
     the client's (NOT_SERVER_ERRORS: only-if-cached with no entry). Its
     region's origins failed nothing, so the status page leaves it out of
-    what the region served (`Metrics.refused`)."""
-    return ex.attempts == 0 and (400 <= status < 500 or error in NOT_SERVER_ERRORS)
+    what the region served (`Metrics.refused`). Not a client that left a
+    cache's answer once it began: that was served (`excused_here`)."""
+    if ex.attempts or left_its_answer(ex, error):
+        return False
+    return 400 <= status < 500 or error in NOT_SERVER_ERRORS
+
+
+def left_its_answer(ex: Exchange, error: str) -> bool:
+    """Its client left, or stopped reading, once its answer had begun."""
+    return error in (CLIENT_GONE, SEND_TIMEOUT) and ex.answer is not None
 
 
 # An origin's 4xx that says its region failed, not the request: it timed out
@@ -303,21 +313,25 @@ _ORIGINS_FAILURES: Final = frozenset({408, 429})
 
 
 def excused_here(ex: Exchange, status: int, error: str) -> bool:
-    """Origins were called, and the request failed for its client's own
-    doing: an origin refused it as a bad request (a 4xx other than 408 and
-    429, not the proxy's own model_not_found once every origin lacked the
-    model: a wrong own name set for one), or its client left or stopped
-    reading once its answer had begun (a 499; one that left waiting for an
-    origin that never answered is the region's failure). The region served
-    it and failed nothing, so the status page counts it served but not among
-    the region's errors (`Metrics.excused`; review: every 400 an origin gave
-    a malformed prompt, and every client that closed a stream, read as the
-    region failing)."""
-    if ex.attempts == 0 or not error:
+    """The request was served, or its origins called, and it failed for
+    no fault of its region's: its client left or stopped reading once its
+    answer had begun, from an origin or the cache (a 499; one that left
+    waiting for an origin that never answered is the region's failure); an
+    origin refused it as a bad request (a 4xx other than 408 and 429, not the
+    proxy's own model_not_found once every origin lacked the model: a wrong
+    own name set for one); or this proxy, stopping, cut it off (its grace
+    ran out: 503 proxy_stopping, or a 499 `cancelled`). The status page
+    counts it served but not among the region's errors (`Metrics.excused`;
+    review: every 400 an origin gave a malformed prompt, and every client
+    that closed a stream, read as the region failing; a rolling restart of
+    proxies read as their regions failing)."""
+    if left_its_answer(ex, error):
+        return True
+    if ex.attempts == 0 or not error or error in (CLIENT_GONE, SEND_TIMEOUT):
         return False
-    if error in (CLIENT_GONE, SEND_TIMEOUT):
-        return ex.answer is not None
-    if error == "model_not_found":  # errors.model_not_found, from the forwarder
+    if error == PROXY_STOPPING_CODE:
+        return True
+    if error == MODEL_NOT_FOUND_CODE:  # errors.model_not_found, from the forwarder
         return False
     return 400 <= status < 500 and status not in _ORIGINS_FAILURES
 

@@ -178,7 +178,7 @@ def model_not_found(name: str, refused_by: str = "") -> ApiError:
         404,
         f"The model '{name[:256]}' does not exist or you do not have access to it.",
         param="model",
-        code="model_not_found",
+        code=MODEL_NOT_FOUND_CODE,
     )
     if refused_by:
         error.note = f"not on the model list of {refused_by}"
@@ -249,6 +249,8 @@ PROXY_STOPPING = (
     "This proxy stopped before the answer was complete (it is being restarted or "
     "scaled down); retry the request."
 )
+PROXY_STOPPING_CODE: Final = "proxy_stopping"
+MODEL_NOT_FOUND_CODE: Final = "model_not_found"
 # Origin statuses whose OpenAI-style message is about the client's request
 # (its content, size or model) and useful to it. Others may describe the
 # operator's account with the origin (401, 403: its credential; a 429, which
@@ -498,7 +500,7 @@ _STOPPING = {
     "message": PROXY_STOPPING,
     "type": "server_error",
     "param": None,
-    "code": "proxy_stopping",
+    "code": PROXY_STOPPING_CODE,
 }
 
 
@@ -517,7 +519,7 @@ def no_route_table() -> ApiError:
 def proxy_stopping() -> ApiError:
     """503 for a request whose answer had not begun when the stopping
     proxy cancelled it (see _STOPPING)."""
-    return ApiError(503, PROXY_STOPPING, type="server_error", code="proxy_stopping")
+    return ApiError(503, PROXY_STOPPING, type="server_error", code=PROXY_STOPPING_CODE)
 
 
 def _chat_error_event(error: dict[str, str | None]) -> bytes:

@@ -18,7 +18,7 @@ from controlplane.catalog import Traffic as StoredTraffic
 from controlplane.model import OriginEjected
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
-from dataplane.http.boundary import CLIENT_GONE, SEND_TIMEOUT, excused_here
+from dataplane.http.boundary import CLIENT_GONE, SEND_TIMEOUT, excused_here, refused_here
 from dataplane.http.pipeline import Exchange
 from dataplane.metrics import MAX_LIMITED_TENANTS, Metrics
 from dataplane.sync.holder import TableHolder
@@ -355,9 +355,17 @@ async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts
         (1, 200, "stream_cut", False),  # an origin broke its stream off
         (1, 200, "", False),  # served
         (0, 400, "invalid_request", False),  # refused at the proxy (refused_here)
+        # Its client left the cache's answer (no origin called): served, not
+        # the proxy's refusal.
+        (0, 499, CLIENT_GONE, True),
+        (0, 499, SEND_TIMEOUT, True),
+        # The proxy, stopping, cut it off (its grace ran out): a rolling
+        # restart is not its region failing.
+        (1, 503, "proxy_stopping", True),
+        (1, 499, "cancelled", True),
     ],
 )
-def test_excused_failures_are_their_clients_doing(
+def test_excused_failures_are_not_their_regions_doing(
     attempts: int, status: int, error: str, excused: bool
 ) -> None:
     # The answer's head went out to the client (Exchange.answer) in the
@@ -365,8 +373,11 @@ def test_excused_failures_are_their_clients_doing(
     answer = object() if excused else None
     ex = cast(Exchange, SimpleNamespace(attempts=attempts, answer=answer))
     assert excused_here(ex, status, error) is excused
+    # Never both: Metrics.operation counts a refusal, else an excuse.
+    assert not (excused and refused_here(ex, status, error))
     if error in (CLIENT_GONE, SEND_TIMEOUT) and excused:
-        # The same client gone before any answer began is the region's.
-        assert not excused_here(
-            cast(Exchange, SimpleNamespace(attempts=attempts, answer=None)), status, error
-        )
+        # The same client gone before any answer began is the region's, or
+        # with no origin called, the proxy's refusal.
+        gone = cast(Exchange, SimpleNamespace(attempts=attempts, answer=None))
+        assert not excused_here(gone, status, error)
+        assert refused_here(gone, status, error) is (attempts == 0)
