@@ -112,14 +112,13 @@ def traffic_of(
             failed = count if sample.labels.get("error_type", "") else 0
             n, errors = served.get(region, (0, 0))
             served[region] = (n + count, errors + failed)
-    for region, n in (refused or {}).items():
-        if region in served:  # each refused one is a failed operation there
-            count, errors = served[region]
-            served[region] = (count - n, errors - n)
-    for region, n in (excused or {}).items():
-        if region in served:  # each excused one is a failed operation there
-            count, errors = served[region]
-            served[region] = (count, errors - n)
+    # Each refused or excused one is a failed operation there: a refused one
+    # is no region's at all, an excused one is served but no error.
+    for taken, unserved in ((refused, 1), (excused, 0)):
+        for region, n in (taken or {}).items():
+            if region in served:
+                count, errors = served[region]
+                served[region] = (count - n * unserved, errors - n)
     tenants = {tenant: (int(n[0]), int(n[1])) for tenant, n in (limited or {}).items()}
     return Traffic(total, server, client, served, tenants)
 
