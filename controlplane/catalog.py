@@ -75,6 +75,7 @@ from controlplane.model import (
     decode_tenant,
     drain_warnings,
     encode,
+    encode_over,
     rtt_warnings,
     unserved_aliases,
     unserved_purge,
@@ -422,7 +423,9 @@ class Catalog:
             try:
                 await _guard(
                     self.store.put(
-                        key, encode(written), if_mod_revision=current.mod_revision if current else 0
+                        key,
+                        encode_over(written, current.value if current else None),
+                        if_mod_revision=current.mod_revision if current else 0,
                     )
                 )
             except Conflict as exc:
@@ -466,8 +469,9 @@ class Catalog:
             updated = change(stored)
             if updated is None:
                 return stored, False
+            value = encode_over(updated, current.value if current else None)
             try:
-                await _guard(self.store.put(key, encode(updated), if_mod_revision=revision))
+                await _guard(self.store.put(key, value, if_mod_revision=revision))
             except Conflict:
                 continue
             return updated, True
@@ -638,12 +642,13 @@ class Catalog:
         for _ in range(CAS_ATTEMPTS):
             listing = await _guard(self.store.list(STATE_PREFIX))
             revisions = {kv.key: kv.mod_revision for kv in listing.items}
+            stored = {kv.key: kv.value for kv in listing.items}
             current = self._current(listing.items)
             plan = topology.plan(wanted, current, prune=prune)
             writes = []
             for change in plan.writes():
                 key = _PREFIX[change.kind] + change.name
-                value = None if change.value is None else encode(change.value)
+                value = None if change.value is None else encode_over(change.value, stored.get(key))
                 writes.append(Write(key, value, if_mod_revision=revisions.get(key, 0)))
                 if change.kind == "origin" and change.action == "deleted":
                     writes.append(Write(HEALTH + change.name, None))
@@ -995,8 +1000,9 @@ class Catalog:
                 return 0
             revision = 0 if kv is None else kv.mod_revision
             try:
+                value = encode_over(record, None if kv is None else kv.value)
                 return await _guard(
-                    self.store.put(key, encode(record), lease=lease, if_mod_revision=revision)
+                    self.store.put(key, value, lease=lease, if_mod_revision=revision)
                 )
             except Conflict:
                 continue

@@ -1,15 +1,21 @@
 """Desired state of the fleet: frozen values with validation and JSON codecs.
 
 Values are stored in etcd as JSON objects (one key each) so that operators can
-read them with etcdctl; unknown fields in stored JSON are ignored, so a newer
-control plane can add fields without breaking an older replica.
+read them with etcdctl; unknown fields in stored JSON are ignored when read, so
+a newer control plane can add fields without breaking an older replica, and
+kept when a record is written again (`encode_over`), so that this replica does
+not erase them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import ipaddress
 import math
 import re
+import types
+import typing
 import unicodedata
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -535,6 +541,53 @@ class State:
 def encode(value: Any) -> bytes:
     """JSON of a dataclass value, keys sorted, as stored in etcd."""
     return orjson.dumps(asdict(value), option=orjson.OPT_SORT_KEYS)
+
+
+def encode_over(value: Any, stored: bytes | None) -> bytes:
+    """encode(value) for a record that replaces `stored` (its value as
+    stored, None for a new one), keeping what `stored` holds that this
+    version does not know: the fields a newer control plane added, at any
+    depth of nested records. A replica that rewrites a record during a
+    rolling upgrade (a drain, a change of cache TTL) must not erase the
+    settings a newer replica wrote (trial 69: an older replica un-suspended a
+    tenant for good, and dropped its budgets and model list). A stored value
+    that is not a JSON object keeps nothing."""
+    new = asdict(value)
+    if stored:
+        try:
+            old = orjson.loads(stored)
+        except orjson.JSONDecodeError:
+            old = None
+        if isinstance(old, dict):
+            _keep_unknown(old, new, type(value))
+    return orjson.dumps(new, option=orjson.OPT_SORT_KEYS)
+
+
+def _keep_unknown(old: dict[str, Any], new: dict[str, Any], cls: type) -> None:
+    known = _field_records(cls)
+    for key, value in old.items():
+        if key not in known:
+            new[key] = value
+        elif isinstance(value, dict) and isinstance(new.get(key), dict):
+            nested = known[key]
+            if nested is not None:
+                _keep_unknown(value, new[key], nested)
+
+
+@functools.cache
+def _field_records(cls: type) -> dict[str, type | None]:
+    """cls's fields, each with the record type it holds (a dataclass, alone
+    or `| None`), None for a field of another kind (whose stored value is
+    replaced whole)."""
+    hints = typing.get_type_hints(cls)
+    found: dict[str, type | None] = {}
+    for name in cls.__dataclass_fields__:  # type: ignore[attr-defined]
+        hint = hints[name]
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        found[name] = next(
+            (t for t in options if isinstance(t, type) and dataclasses.is_dataclass(t)), None
+        )
+    return found
 
 
 def _fields(cls: type, raw: bytes) -> dict[str, Any]:
