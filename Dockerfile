@@ -2,7 +2,11 @@
 # One image for every Ponto process: ponto-control, ponto-proxy, pontoctl and
 # ponto-origin-sim; the container's command picks one (the Helm chart sets it).
 #
-#   docker build -t ponto:dev .
+#   docker build --build-arg BUILD_COMMIT=$(git rev-parse HEAD) -t ponto:dev .
+#
+# BUILD_COMMIT is optional: with it, every process reports its version as
+# 0.1.0+<commit> (pontoctl get proxies, get controlplanes), so a rolling
+# upgrade shows which processes run the new build (ponto/version.py).
 #   docker run --rm ponto:dev ponto-proxy --help
 #
 # Two stages. The builder turns the dependencies and the project into wheels and
@@ -32,7 +36,9 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY controlplane controlplane
 COPY dataplane dataplane
 COPY ponto ponto
-RUN pip wheel --no-deps --wheel-dir /wheels . \
+ARG BUILD_COMMIT=""
+RUN if [ -n "$BUILD_COMMIT" ]; then echo "$BUILD_COMMIT" > ponto/_build.txt; fi \
+    && pip wheel --no-deps --wheel-dir /wheels . \
     && python -m venv /opt/ponto \
     && /opt/ponto/bin/pip install --no-index --find-links /wheels ponto \
     && /opt/ponto/bin/pip uninstall --yes pip setuptools

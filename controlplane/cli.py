@@ -333,10 +333,12 @@ def _rows_proxies(resp: apb.ListProxiesResponse) -> tuple[list[str], list[list[s
                 str(p.acked_version),
                 state,
                 p.control_plane_id,
+                p.info.version or "?",
                 f"{max(0, now - p.connected_at):.0f}s",
             ]
         )
-    return ["NAME", "REGION", "ADDRESS", "ACKED", "STATE", "CONTROL-PLANE", "AGE"], rows
+    header = ["NAME", "REGION", "ADDRESS", "ACKED", "STATE", "CONTROL-PLANE", "VERSION", "AGE"]
+    return header, rows
 
 
 def render(
@@ -1425,8 +1427,14 @@ def _audit_times(data: dict[str, Any]) -> dict[str, Any]:
 
 def _rows_replicas(resp: apb.ListControlPlanesResponse) -> tuple[list[str], list[list[str]]]:
     now = time.time()
-    return ["ID", "ADDRESS", "LEADER", "AGE"], [
-        [r.id, r.address, "yes" if r.leader else "-", f"{max(0, now - r.started_at):.0f}s"]
+    return ["ID", "ADDRESS", "LEADER", "VERSION", "AGE"], [
+        [
+            r.id,
+            r.address,
+            "yes" if r.leader else "-",
+            r.version or "?",  # a replica older than the field
+            f"{max(0, now - r.started_at):.0f}s",
+        ]
         for r in resp.replicas
     ]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from dataplane.metrics import Counter, Histogram
 from ponto.v1 import routing_pb2 as pb
+from ponto.version import software_version
 
 # From a sub-second push on loopback to a proxy that took a minute to answer.
 PUSH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -62,13 +62,6 @@ STORE_OPS = (
 ETCD_ERROR_OPS = (*STORE_OPS, "watch")
 
 Series = Iterable[tuple[Sequence[str], float]]
-
-
-def software_version() -> str:
-    try:
-        return version("ponto")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "dev"
 
 
 class _Reading(Collector):

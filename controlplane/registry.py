@@ -52,6 +52,7 @@ from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
 from controlplane.store import KeyValue, LeaseExpired, Listing, StoreError, StoreUnavailable
 from ponto.v1 import routing_pb2 as pb
+from ponto.version import software_version
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class ProxyRegistry:
                 "id": self.replica_id,
                 "address": address,
                 "started_at": time.time(),
+                "version": software_version(),
                 # What this replica reads of the leader's quota shares.
                 "quota_format": QUOTA_FORMAT,
             }

@@ -29,13 +29,14 @@ from aiohttp import web
 
 from dataplane import supervisor, workers
 from dataplane.http.edge import LISTEN_BACKLOG, EdgeProtocol, EdgeRunner
-from dataplane.http.server import build_app, build_metrics_app, software_version
+from dataplane.http.server import build_app, build_metrics_app
 from dataplane.http.state import CLIENT, DRAINING
 from dataplane.settings import Settings, available_cores, parse
 from dataplane.stopsignals import LEAVE_SIGNAL, RELOAD_SIGNAL, STOP_SIGNALS, take_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.cliargs import hostport
 from ponto.logs import setup_logging
+from ponto.version import software_version
 from ponto.writefile import write_atomic
 
 if TYPE_CHECKING:

@@ -614,6 +614,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     address=str(r.get("address", "")),
                     started_at=float(r.get("started_at", 0.0)),  # type: ignore[arg-type]
                     leader=r.get("id") == leader,
+                    version=str(r.get("version", "")),
                 )
                 for r in sorted(replicas, key=lambda r: str(r.get("id", "")))
             ],

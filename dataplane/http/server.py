@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -71,6 +70,7 @@ from dataplane.upstream.outlier import OutlierDetector
 from dataplane.upstream.stalls import Stalls
 from dataplane.upstream.wire import USER_AGENT
 from ponto.v1 import routing_pb2 as pb
+from ponto.version import software_version
 
 if TYPE_CHECKING:
     from dataplane.cache.regional import RegionLink
@@ -91,13 +91,6 @@ COUNTS_SAVE_S = 1.0
 # The share of --cache-max-mb the semantic index may hold; the exact store has the
 # rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
 SEMANTIC_SHARE = 0.5
-
-
-def software_version() -> str:
-    try:
-        return version("ponto")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "dev"
 
 
 class Proxy:
@@ -243,7 +236,7 @@ class Proxy:
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """The start step, then (after the yield) the stop step."""
         settings = self.settings
-        release = software_version()  # package metadata: a file read
+        release = software_version()  # package metadata and the build's commit: once
         self.client.set_version(release)
         self.metrics.set_info(settings.name, settings.region, release)
         self.quota.load_saved()

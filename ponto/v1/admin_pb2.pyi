@@ -1013,12 +1013,17 @@ class ControlPlaneInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     address: _builtins.str
     """Address the replica serves gRPC on, as it sees it."""
     started_at: _builtins.float
     """Unix seconds."""
     leader: _builtins.bool
+    version: _builtins.str
+    """The replica's software version (ponto.version: 0.1.0+COMMIT); empty for
+    a replica older than the field.
+    """
     def __init__(
         self,
         *,
@@ -1026,10 +1031,11 @@ class ControlPlaneInfo(_message.Message):
         address: _builtins.str = ...,
         started_at: _builtins.float = ...,
         leader: _builtins.bool = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "id", b"id", "leader", b"leader", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "id", b"id", "leader", b"leader", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

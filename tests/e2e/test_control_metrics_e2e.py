@@ -21,11 +21,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.app import ControlPlane, over_etcd
-from controlplane.metrics import software_version
 from controlplane.settings import parse
 from ponto.fleet import Fleet
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
+from ponto.version import software_version
 
 pytestmark = pytest.mark.e2e
 

@@ -23,6 +23,7 @@ from ponto.grpcconn import WARNING_METADATA, ClientOptions, admin_channel, read_
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
+from ponto.version import software_version
 from tests.e2e.load import SteadyLoad
 
 pytestmark = pytest.mark.e2e
@@ -69,6 +70,10 @@ def test_replicas_are_listed_with_one_leader(fleet: Fleet) -> None:
     resp = fleet.admin().ListControlPlanes(apb.ListRequest(), timeout=5)
     assert sorted(r.id for r in resp.replicas) == sorted(REPLICAS)
     assert [r.id for r in resp.replicas if r.leader] == [resp.leader]
+    # Each says its build (trial 69: a rolling upgrade could not be followed).
+    assert {r.version for r in resp.replicas} == {software_version()}
+    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    assert proxies and {p.info.version for p in proxies} == {software_version()}
 
 
 def test_killing_the_leader_hands_over_within_the_ttl_and_no_request_fails(

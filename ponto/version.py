@@ -1,0 +1,69 @@
+"""What build of Ponto a process runs, as proxies and control-plane replicas
+report it: `ProxyInfo.version` and `ControlPlaneInfo.version` (`pontoctl get
+proxies` and `get controlplanes`, column VERSION), the proxies' and replicas'
+`*_build_info` metrics.
+
+The package's version alone did not tell builds apart (trial 69: both sides of
+a rolling upgrade 400 commits apart said 0.1.0, so an operator could not see
+which processes were upgraded). The commit the build was made from is added
+as a PEP 440 local label, `0.1.0+3f2a9c1d04b7`:
+
+- from `ponto/_build.txt`, which the image build writes (the Dockerfile's
+  BUILD_COMMIT argument: `--build-arg BUILD_COMMIT=$(git rev-parse HEAD)`);
+- else from the git checkout the package runs from (an editable install, a
+  laptop's `make demo`), read once per process with `git rev-parse`;
+- else the version alone (an install from a wheel built without it).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+__all__ = ["software_version"]
+
+_PACKAGE = Path(__file__).resolve().parent
+BUILD_FILE = _PACKAGE / "_build.txt"
+_COMMIT = re.compile(r"[0-9a-f]{7,40}")
+# Enough hex to name a commit among hundreds of thousands.
+SHOWN = 12
+
+
+@functools.cache
+def software_version() -> str:
+    """`VERSION+COMMIT`, or `VERSION` when no commit is known; "dev" for a
+    source tree that is not installed. Cached: a git call at most once per
+    process, at start (registration, metrics), never per request."""
+    try:
+        base = version("ponto")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        base = "dev"
+    commit = build_commit()
+    return f"{base}+{commit[:SHOWN]}" if commit else base
+
+
+def build_commit(build_file: Path = BUILD_FILE, tree: Path = _PACKAGE.parent) -> str:
+    """The commit this build was made from (lowercase hex), or ""."""
+    try:
+        written = build_file.read_text().strip().lower()
+    except OSError:
+        written = ""
+    if _COMMIT.fullmatch(written):
+        return written
+    if not (tree / ".git").exists():
+        return ""
+    try:
+        done = subprocess.run(  # noqa: S603 - a fixed command, no shell
+            ["git", "-C", str(tree), "rev-parse", "HEAD"],  # noqa: S607 - git from PATH
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    found = done.stdout.strip().lower()
+    return found if done.returncode == 0 and _COMMIT.fullmatch(found) else ""
