@@ -13,6 +13,10 @@ it is opened (by looking at its records, not just its name):
 
 Addresses that cannot be on the public internet, and addresses the database
 does not know, have no location: the caller falls back to its own region.
+
+geoip2 and maxminddb are imported when a database is opened, not with this
+module: a proxy without --geoip-db (the default) never loads them, nor the
+multiprocessing modules maxminddb brings (0.6 MB of each worker's RSS).
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, Self
-
-import geoip2.database
-import geoip2.errors
-import maxminddb
+from typing import TYPE_CHECKING, Any, Final, Protocol, Self
 
 from dataplane.geo._nets import IPAddress, NetworkSet
+
+if TYPE_CHECKING:
+    import geoip2.database
+    import maxminddb
 
 __all__ = [
     "GeoLocator",
@@ -195,6 +199,10 @@ def _nested(record: dict[str, Any], *keys: str) -> object:
 
 DEFAULT_CACHE_SIZE = 65536
 
+# maxminddb.MODE_AUTO, without importing maxminddb (see the module docstring);
+# a test holds the two equal.
+MODE_AUTO: Final = 0
+
 
 class MmdbLocator:
     """A `GeoLocator` over one .mmdb file.
@@ -216,8 +224,10 @@ class MmdbLocator:
         path: str | os.PathLike[str],
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
-        mode: int = maxminddb.MODE_AUTO,
+        mode: int = MODE_AUTO,
     ) -> None:
+        import maxminddb  # noqa: PLC0415 - only with a database, see the module docstring
+
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.path = Path(path)
@@ -240,7 +250,11 @@ class MmdbLocator:
             # geoip2's Reader.city() only opens databases whose type names
             # "City"; it has its own handle, so the probing one is closed.
             raw.close()
+            import geoip2.database  # noqa: PLC0415 - see the module docstring
+            import geoip2.errors  # noqa: PLC0415
+
             self._geoip2 = geoip2.database.Reader(self.path, locales=["en"], mode=mode)
+            self._not_found: type[Exception] = geoip2.errors.AddressNotFoundError
             lookup = self._lookup_geoip2
         else:
             self._raw = raw
@@ -268,7 +282,7 @@ class MmdbLocator:
         assert self._geoip2 is not None
         try:
             model = self._geoip2.city(ip)
-        except geoip2.errors.AddressNotFoundError:
+        except self._not_found:
             return None
         return _make_location(
             model.location.latitude,
@@ -334,7 +348,7 @@ def open_locator(
     path: str | os.PathLike[str] | None,
     *,
     cache_size: int = DEFAULT_CACHE_SIZE,
-    mode: int = maxminddb.MODE_AUTO,
+    mode: int = MODE_AUTO,
 ) -> MmdbLocator | None:
     """A locator for the database at `path`, or None when geolocation is off.
 
@@ -355,6 +369,8 @@ def database_problem(path: str | os.PathLike[str]) -> str:
     every worker: the file is opened as `open_locator` opens it (its schema
     probed too), then closed. The message names the file.
     """
+    import maxminddb  # noqa: PLC0415 - see the module docstring
+
     try:
         MmdbLocator(path, cache_size=0).close()
     except (OSError, maxminddb.InvalidDatabaseError, ValueError) as exc:

@@ -26,6 +26,7 @@ from dataplane.geo import (
     open_locator,
     parse_node,
 )
+from dataplane.geo.locate import MODE_AUTO
 from ponto.geodb import city_record, flat_record, write_city_db, write_db, write_flat_db
 from tests.geodb import DOC_RANGES
 
@@ -92,6 +93,11 @@ def flat_db(dbdir: Path) -> Path:
 
 
 MODES = {"auto": maxminddb.MODE_AUTO, "pure-python": maxminddb.MODE_MMAP}
+
+
+def test_the_default_mode_is_maxminddbs_auto() -> None:
+    # locate.py spells it out so as not to import maxminddb without a database.
+    assert MODE_AUTO == maxminddb.MODE_AUTO
 
 
 @pytest.fixture(params=["city", "flat"])

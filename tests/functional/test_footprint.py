@@ -1,0 +1,66 @@
+"""What a proxy loads: libraries a configuration does not use stay out of the
+process (docs/architecture.md, "Memory: the footprint is the base plus the
+cache bound"; issue 17's RSS aim).
+
+Each test builds and starts the app in a fresh interpreter, as `ponto-proxy`
+does, and reads sys.modules: a library imported anywhere on the way, even by
+a module that only names it, shows up there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ponto.geodb import write_city_db
+from tests.geodb import DOC_RANGES
+
+SERVE = """
+import asyncio, json, sys, tempfile
+import dataplane.run
+from dataplane.http.server import build_app
+from dataplane.settings import parse
+from aiohttp.test_utils import TestServer
+
+async def main(flags):
+    with tempfile.TemporaryDirectory() as d:
+        flags = ["--region=r1", "--control-plane=127.0.0.1:9", f"--state-dir={d}", *flags]
+        app = build_app(parse(flags))
+        server = TestServer(app)
+        await server.start_server()
+        await server.close()
+
+asyncio.run(main(sys.argv[1:]))
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def loaded(*flags: str) -> set[str]:
+    """sys.modules of a proxy started with `flags`: each module, and each package
+    it belongs to ("a.b.c" as "a.b.c", "a.b" and "a")."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(p for p in sys.path if p)}
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE, *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    return {
+        ".".join(parts[:i])
+        for parts in (n.split(".") for n in names)
+        for i in range(1, len(parts) + 1)
+    }
+
+
+def test_a_proxy_without_a_geoip_database_loads_no_geoip_code() -> None:
+    assert {"geoip2", "maxminddb"} & loaded() == set()
+
+
+def test_a_proxy_with_a_geoip_database_loads_geoip2(tmp_path: Path) -> None:
+    db = write_city_db(tmp_path / "city.mmdb", DOC_RANGES)
+    assert {"geoip2", "maxminddb"} <= loaded(f"--geoip-db={db}")
