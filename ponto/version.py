@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import re
 import subprocess
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from ponto.release import installed_version
 
 __all__ = ["software_version"]
 
@@ -37,10 +38,8 @@ def software_version() -> str:
     """`VERSION+COMMIT`, or `VERSION` when no commit is known; "dev" for a
     source tree that is not installed. Cached: a git call at most once per
     process, at start (registration, metrics), never per request."""
-    try:
-        base = version("ponto")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        base = "dev"
+    # Not importlib.metadata.version: ponto.release says why.
+    base = installed_version("ponto") or "dev"  # "dev": a source tree never installed
     commit = build_commit()
     return f"{base}+{commit[:SHOWN]}" if commit else base
 

@@ -57,8 +57,10 @@ def loaded(*flags: str) -> set[str]:
     }
 
 
-def test_a_proxy_without_a_geoip_database_loads_no_geoip_code() -> None:
-    assert {"geoip2", "maxminddb"} & loaded() == set()
+def test_a_default_proxy_loads_neither_geoip_code_nor_importlib_metadata() -> None:
+    """geoip2 and maxminddb only with --geoip-db; importlib.metadata (and the
+    zipfile it brings) not even for the proxy's own version (ponto.release)."""
+    assert {"geoip2", "maxminddb", "importlib.metadata", "zipfile"} & loaded() == set()
 
 
 def test_a_proxy_with_a_geoip_database_loads_geoip2(tmp_path: Path) -> None:
