@@ -27,14 +27,9 @@ where a figure lists several names, the first found on the page is used):
   first sets it, so a TGI page without either has queued and batched nothing
   since it started: 0, not unknown.
 
-Requests are summed over label sets (one per engine, data-parallel rank or
-model), but label sets that differ only in a tensor- or pipeline-parallel
-rank (``tp_rank``, ``pp_rank``: SGLang's, whose every rank of one engine may
-report the same batch, with ``--enable-metrics-for-all-schedulers`` or
-dp-attention) are one engine's, of which the largest is taken: summed, a
-TP 4 engine read as four times as loaded. A usage ratio is the largest over
-them, since a request can land on the fullest engine; a hit-rate gauge is
-their mean. A page is of the kind whose prefix its
+Requests are summed over label sets (one per engine, rank or model); a usage
+ratio is the largest over them, since a request can land on the fullest
+engine; a hit-rate gauge is their mean. A page is of the kind whose prefix its
 lines carry (``vllm:``, ``sglang:``, ``llamacpp:``, ``tgi_``); only those lines
 are split, and a metrics page carries hundreds of histogram lines.
 
@@ -47,7 +42,6 @@ out, and the prober records its load as unknown.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -136,8 +130,6 @@ SERVERS = (
     ),
 )
 # Each server's names, computed once (parse_page runs per origin per scrape).
-# Labels that tell apart ranks of one engine, which report its one batch.
-_ENGINE_RANKS = re.compile(r'(?:tp|pp)_rank="[^"]*",?')
 _WANTED = {s.kind: s.wanted for s in SERVERS}
 _RATIOS = {s.kind: s.ratios for s in SERVERS}
 
@@ -195,8 +187,7 @@ def parse_page(text: str) -> Sample:
     server: Server | None = None
     wanted: frozenset[str] = frozenset()
     ratios: frozenset[str] = frozenset()
-    # Name -> the label set (ranks of one engine as one) -> its value.
-    values: dict[str, dict[str, float]] = {}
+    values: dict[str, list[float]] = {}
     for line in text.split("\n"):
         if server is None:
             if not line or line[0] == "#":
@@ -216,15 +207,11 @@ def parse_page(text: str) -> Sample:
             # may hold "}" too, but the value and timestamp never do.
             close = line.rfind("}")
             rest = line[close + 1 :].split() if close > brace else []
-            labels = line[brace + 1 : close]
-            if 'rank="' in labels:
-                labels = _ENGINE_RANKS.sub("", labels)
         else:
             parts = line.split()
             name, rest = (parts[0], parts[1:]) if parts else ("", [])
             if name not in wanted:
                 continue
-            labels = ""
         if not rest:
             continue
         try:
@@ -232,12 +219,10 @@ def parse_page(text: str) -> Sample:
         except ValueError:
             continue
         if math.isfinite(value) and (value >= 0 or name in ratios):
-            sets = values.setdefault(name, {})
-            known = sets.get(labels)
-            sets[labels] = value if known is None else max(known, value)
+            values.setdefault(name, []).append(value)
     if server is None:
         return Sample()
-    return _sample(server, {name: list(sets.values()) for name, sets in values.items()})
+    return _sample(server, values)
 
 
 def _sample(server: Server, values: dict[str, list[float]]) -> Sample:

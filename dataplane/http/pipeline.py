@@ -88,7 +88,7 @@ from dataplane.ratelimit.tokens import (
 from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.relay import STOPPED_WRITE_S
 from dataplane.streaming.responses_events import response_events
-from dataplane.streaming.splice import ERROR_EVENT, Transcript
+from dataplane.streaming.splice import Transcript
 from dataplane.streaming.usage import (
     Usage,
     UsageCounter,
@@ -1043,8 +1043,7 @@ class Pipeline:
         if end.cut and resume is None:  # the hook counts the cuts it sees
             m.continuations.labels("refused").inc()  # off, or not continuable
             m.stream_cut(name)
-            excused = counter.error_event == ERROR_EVENT  # the request's doing, maybe
-            if not end.too_long and not excused and held_against(ex, end.cut):
+            if not end.too_long and not counter.error_event and held_against(ex, end.cut):
                 self.forwarder.stream_cut(name, end.cut)
             why = (
                 "the tenant turned continuation off"

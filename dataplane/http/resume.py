@@ -105,8 +105,6 @@ class Continuations:
             end = _length_end(state, ex, ex.estimate + self.extra_prompt, self.count)
             return Next(end, _Ended(), _unchanged, length=True)
         m.attempt(name, "cut_after_start").inc()
-        # Not an error event that may be the request's doing (ERROR_EVENT):
-        # one that says the origin failed is (ERROR_EVENT_FAILED).
         if not too_long and cut != ERROR_EVENT and held_against(ex, cut):
             # Against its health as a 5xx is (Forwarder.stream_cut says which cuts).
             self._forwarder.stream_cut(name, cut)

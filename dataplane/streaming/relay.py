@@ -64,7 +64,7 @@ from typing import Final, Protocol
 import aiohttp
 
 from dataplane import jsonio
-from dataplane.streaming.splice import ERROR_EVENT, error_event_cut, is_error_event
+from dataplane.streaming.splice import ERROR_EVENT, is_error_event
 from dataplane.streaming.sse import Event, SseParser
 from dataplane.timer import IdleTimeout
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
@@ -549,7 +549,7 @@ async def _relay_events(
                             cut = str(exc) or type(exc).__name__
                             break
                     elif is_error_event(ev.data):
-                        cut = error_event_cut(ev.data)
+                        cut = ERROR_EVENT
                         break
                 if data is None:
                     continue

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dataplane import jsonio
-from dataplane.http.errors import error_blame
 from dataplane.streaming.sse import Event
 
 __all__ = [
@@ -39,7 +38,6 @@ __all__ = [
     "StreamState",
     "Transcript",
     "continuation_body",
-    "error_event_cut",
     "is_error_event",
     "not_continued",
     "read_state",
@@ -80,9 +78,6 @@ class Transcript:
 # Why a stream stopped at an origin's in-band error event (a continued one's,
 # or a continuation's): the origin's answer, not its failure.
 ERROR_EVENT: Final = "the origin sent an error event"
-# The same, when the error says the origin failed (error_event_cut): held
-# against its passive health, as a cut is.
-ERROR_EVENT_FAILED: Final = "the origin sent an error event of its own failure"
 
 
 def is_error_event(data: bytes) -> bool:
@@ -93,23 +88,6 @@ def is_error_event(data: bytes) -> bool:
         return False
     head = head.lstrip()
     return head.startswith(b'{"error"') or b'"object":"error"' in head.replace(b" ", b"")
-
-
-def error_event_cut(data: bytes) -> str:
-    """The cut an in-band error event (`is_error_event`) makes:
-    ERROR_EVENT_FAILED when its error is the origin's own failure or its
-    account's (errors.error_blame: a server or engine error, a 5xx code; as
-    for an error a whole answer holds), else ERROR_EVENT: the request's, an
-    origin too busy, or of no kind a rule knows, which must not count against
-    the origin (a client must not eject origins by what it asks). Parsed
-    only here, once a stream has failed."""
-    try:
-        obj = jsonio.loads(data)
-    except ValueError:
-        return ERROR_EVENT
-    if isinstance(obj, dict) and error_blame(obj) in ("origin", "account"):
-        return ERROR_EVENT_FAILED
-    return ERROR_EVENT
 
 
 @dataclass(slots=True)
@@ -302,7 +280,7 @@ class Splicer:
         if is_error_event(data):
             # As the first origin's error event is (review: this one counted
             # against the continuation's health, a request may cause it).
-            raise ValueError(error_event_cut(data))
+            raise ValueError(ERROR_EVENT)
         obj = jsonio.loads(data)
         if (
             not isinstance(obj, dict)

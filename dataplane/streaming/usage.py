@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from dataplane import jsonio
 from dataplane.ratelimit.tokens import completion_bound, continues_stored
-from dataplane.streaming.splice import error_event_cut, is_error_event
+from dataplane.streaming.splice import is_error_event
 from dataplane.streaming.sse import Event
 
 
@@ -344,12 +344,10 @@ class UsageCounter:
         self, finishes: list[bytes] | None = None, finished: set[int] | None = None
     ) -> None:
         self.content_events = 0
-        # The cut the stream's in-band error event (`event: error`, or an
-        # error object) makes, "" for none (splice.error_event_cut): the
-        # stream's end after an ERROR_EVENT is no failure to hold against its
-        # origin (Forwarder.stream_cut; a request may cause it), after an
-        # ERROR_EVENT_FAILED it is.
-        self.error_event = ""
+        # The stream carried an in-band error event (`event: error`, or an
+        # error object): its end is then no origin's failure to hold against
+        # it (Forwarder.stream_cut; a request may cause it).
+        self.error_event = False
         self.event_bytes = 0  # of the events' data: what bounds a believable count
         self.usage: Usage | None = None
         self.finishes = finishes
@@ -366,7 +364,7 @@ class UsageCounter:
         if _has_text(data):
             self.content_events += 1
         elif ev.name == b"error" or is_error_event(data):
-            self.error_event = error_event_cut(data)
+            self.error_event = True
         finishes, finished = self.finishes, self.finished
         if (finishes is not None or finished is not None) and b'"finish_reason"' in data:
             reasons = FINISH_REASON.findall(data)

@@ -985,9 +985,8 @@ class Forwarder:
         a client that left, a stream the proxy cancelled (a hedge lost, the
         server stopping), an event past --max-answer-bytes (another origin
         would make as long a one, as for a whole answer), or an in-band
-        error event that is not the origin's own failure (splice.error_event_cut,
-        by errors.error_blame as for an error a whole answer holds: a request
-        must not eject origins)."""
+        error event (its blame is not read mid-stream: a request must not
+        eject origins)."""
         self._failure(origin, f"cut a stream: {why}")
 
     def _failed(self, target: Target, exc: _Retryable, tries: _Tries) -> None:

@@ -104,63 +104,6 @@ async def test_in_band_error_events_are_not_held_against_the_origin(
     assert len(b.bodies) == STREAMS
 
 
-# vLLM's in-band errors: its engine failing mid-generation, and a request it
-# refused once streaming.
-ENGINE_FAILED = (
-    b'data: {"error": {"message": "EngineCore encountered an issue", '
-    b'"type": "InternalServerError", "param": null, "code": 500}}\n\n'
-)
-REQUEST_REFUSED = (
-    b'data: {"object": "error", "message": "This model\'s maximum context length is 2048", '
-    b'"type": "BadRequestError", "param": null, "code": 400}\n\n'
-)
-
-
-@pytest.mark.parametrize("continuation", ["on", "off"])
-@pytest.mark.parametrize(("error", "held"), [(ENGINE_FAILED, True), (REQUEST_REFUSED, False)])
-async def test_an_error_event_saying_the_origin_failed_is_held_against_it(
-    proxy: Callable[..., Awaitable[Proxy]], continuation: str, error: bytes, held: bool
-) -> None:
-    """An origin whose engine fails every stream partway, saying so in an
-    error event (a 5xx code, a server error's type), is ejected as one that
-    cuts them (its in-band errors had never counted: last notes' open item);
-    an error the request may cause (a 400, a validation error) still is not
-    held against it."""
-
-    async def errs(request: web.Request) -> web.StreamResponse:
-        out = await sse(request)
-        await out.write(event("first", "", role=True) + event("first", "Hel"))
-        await out.write(error)
-        await out.write_eof()
-        return out
-
-    a, b = Origin(errs), await second_origin()
-    p = await proxy([(a, True), (b, True)], pb.StreamPolicy(continuation=continuation))
-    for _ in range(STREAMS):
-        await stream_raw(p)
-    assert len(a.bodies) == STREAMS
-    assert ejections(p, "o0") == (1 if held else 0)
-    assert ejections(p, "o1") == 0
-
-
-async def test_a_continuations_error_event_saying_it_failed_is_held_against_it(
-    proxy: Callable[..., Awaitable[Proxy]],
-) -> None:
-    async def errs(request: web.Request) -> web.StreamResponse:
-        out = await sse(request)
-        await out.write(event("second", "", role=True) + event("second", " wor"))
-        await out.write(ENGINE_FAILED)
-        await out.write_eof()
-        return out
-
-    a, b = await first_origin("cut"), Origin(errs)
-    p = await proxy([(a, True), (b, True)])
-    for _ in range(STREAMS):
-        await stream_raw(p)
-    assert ejections(p, "o0") == 1  # its cuts
-    assert ejections(p, "o1") == 1  # its error events: the continuations failed there
-
-
 async def test_an_error_event_ending_a_stream_not_continued_is_not_held_against_it(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:

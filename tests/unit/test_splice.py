@@ -9,12 +9,9 @@ import pytest
 
 from dataplane.http.resume import budget_spent
 from dataplane.streaming.splice import (
-    ERROR_EVENT,
-    ERROR_EVENT_FAILED,
     Splicer,
     Transcript,
     continuation_body,
-    error_event_cut,
     is_error_event,
     not_continued,
     read_state,
@@ -173,28 +170,6 @@ def test_error_events_are_cuts() -> None:
     assert state is not None
     with pytest.raises(ValueError, match="error event"):
         Splicer(state, 1, (0,), 1).rewrite(b'{"error": {"message": "again"}}')
-
-
-@pytest.mark.parametrize(
-    ("data", "cut"),
-    [
-        # The origin's own failure: held against it.
-        (b'{"error": {"message": "engine died", "type": "InternalServerError"}}', True),
-        (b'{"error": {"message": "x", "code": 500}}', True),
-        (b'{"object": "error", "message": "x", "type": "server_error"}', True),
-        (b'{"type": "error", "code": "server_error", "message": "x"}', True),  # Responses'
-        # The request's, an origin too busy, or of no known kind: not.
-        (b'{"object": "error", "message": "x", "type": "BadRequestError", "code": 400}', False),
-        (b'{"error": {"message": "x", "code": "context_length_exceeded"}}', False),
-        (b'{"error": {"message": "x", "type": "overloaded_error"}}', False),
-        (b'{"error": {"message": "engine died"}}', False),
-        (b'{"error": ', False),  # not JSON
-    ],
-)
-def test_an_error_event_is_held_against_its_origin_when_it_says_the_origin_failed(
-    data: bytes, cut: bool
-) -> None:
-    assert error_event_cut(data) == (ERROR_EVENT_FAILED if cut else ERROR_EVENT)
 
 
 def test_a_stream_cut_before_its_first_whole_event_keeps_the_continuations_identity() -> None:
