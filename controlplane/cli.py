@@ -1129,9 +1129,9 @@ def _tenant_flags_given(args: argparse.Namespace) -> bool:
 
 
 # The calls the audit trail records (what `get audit --action` may name): the
-# Admin API's writes, drains recorded as Drain* or Undrain*.
-# The actions the audit trail names: each changing call's name, but for those
-# recorded as what they did (auditing.drain_action, key_suspension_action).
+# Admin API's writes by name, but for those recorded as what they did: drains
+# as Drain* or Undrain* (auditing.drain_action), a key's suspension as
+# SuspendKey or ResumeKey (auditing.key_suspension_action).
 _RENAMED_ACTIONS = {"SetKeySuspended": ("SuspendKey", "ResumeKey")}
 _AUDITED = frozenset(
     name

@@ -51,6 +51,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLIENT_CLOSED = 499
 CLIENT_GONE = "client_disconnected"  # the error code of a 499 whose client left
 SEND_TIMEOUT = "send_timeout"  # of a 499 the edge cut: its client stopped reading
+STOPPED = "cancelled"  # of a 499 the stopping server cut (cancel_reason)
 
 
 @web.middleware
@@ -286,7 +287,7 @@ def cancel_reason(request: web.Request) -> str:
     else its client left."""
     if cut_for_stalling(request):
         return SEND_TIMEOUT
-    return "cancelled" if request.app[DRAINING].active else CLIENT_GONE
+    return STOPPED if request.app[DRAINING].active else CLIENT_GONE
 
 
 def refused_here(ex: Exchange, status: int, error: str) -> bool:
@@ -295,16 +296,18 @@ def refused_here(ex: Exchange, status: int, error: str) -> bool:
     model not served, a client that left before any answer) or a 5xx that is
     the client's (NOT_SERVER_ERRORS: only-if-cached with no entry). Its
     region's origins failed nothing, so the status page leaves it out of
-    what the region served (`Metrics.refused`). Not a client that left a
-    cache's answer once it began: that was served (`excused_here`)."""
-    if ex.attempts or left_its_answer(ex, error):
+    what the region served (`Metrics.refused`). Not an answer of the
+    cache's that its client left, or the stopping proxy cut, once it began:
+    that was served (`excused_here`)."""
+    if ex.attempts or cut_after_it_began(ex, error):
         return False
     return 400 <= status < 500 or error in NOT_SERVER_ERRORS
 
 
-def left_its_answer(ex: Exchange, error: str) -> bool:
-    """Its client left, or stopped reading, once its answer had begun."""
-    return error in (CLIENT_GONE, SEND_TIMEOUT) and ex.answer is not None
+def cut_after_it_began(ex: Exchange, error: str) -> bool:
+    """Its client left or stopped reading, or the stopping proxy cut it,
+    once its answer had begun."""
+    return error in (CLIENT_GONE, SEND_TIMEOUT, STOPPED) and ex.answer is not None
 
 
 # An origin's 4xx that says its region failed, not the request: it timed out
@@ -320,17 +323,19 @@ def excused_here(ex: Exchange, status: int, error: str) -> bool:
     origin refused it as a bad request (a 4xx other than 408 and 429, not the
     proxy's own model_not_found once every origin lacked the model: a wrong
     own name set for one); or this proxy, stopping, cut it off (its grace
-    ran out: 503 proxy_stopping, or a 499 `cancelled`). The status page
+    ran out: 503 proxy_stopping, or a 499 `cancelled` once its answer had
+    begun or an origin was called). The status page
     counts it served but not among the region's errors (`Metrics.excused`;
     review: every 400 an origin gave a malformed prompt, and every client
     that closed a stream, read as the region failing; a rolling restart of
     proxies read as their regions failing)."""
-    if left_its_answer(ex, error):
+    if cut_after_it_began(ex, error) or error == PROXY_STOPPING_CODE:
+        # The stopping proxy's 503 whether an origin was called or not: a
+        # request waiting on a cache flight's leader, a concurrency slot or
+        # a JWKS is cut as one waiting on an origin is (review).
         return True
     if ex.attempts == 0 or not error or error in (CLIENT_GONE, SEND_TIMEOUT):
         return False
-    if error == PROXY_STOPPING_CODE:
-        return True
     if error == MODEL_NOT_FOUND_CODE:  # errors.model_not_found, from the forwarder
         return False
     return 400 <= status < 500 and status not in _ORIGINS_FAILURES

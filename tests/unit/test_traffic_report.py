@@ -338,46 +338,52 @@ async def test_an_ejection_that_cannot_be_read_is_left_out_not_its_proxys_counts
     assert [e.origin for e in proxy.ejected] == ["o-ok"]  # a later field is ignored
 
 
+BEGUN, NOT_BEGUN = True, False  # whether the answer's head went out (Exchange.answer)
+
+
 @pytest.mark.parametrize(
-    ("attempts", "status", "error", "excused"),
+    ("attempts", "begun", "status", "error", "excused"),
     [
-        (1, 400, "400", True),  # an origin refused the request as bad
-        (1, 499, CLIENT_GONE, True),  # its client left mid-answer
-        (2, 499, SEND_TIMEOUT, True),  # its client stopped reading
+        (1, BEGUN, 400, "400", True),  # an origin refused the request as bad
+        (1, BEGUN, 499, CLIENT_GONE, True),  # its client left mid-answer
+        (2, BEGUN, 499, SEND_TIMEOUT, True),  # its client stopped reading
         # Its client left waiting for an origin that never answered (review:
         # a region whose origins hang read 0 errors a second).
-        (1, 499, CLIENT_GONE, False),
+        (1, NOT_BEGUN, 499, CLIENT_GONE, False),
         # Every origin tried lacks the model (review: a wrong own name).
-        (2, 404, "model_not_found", False),
-        (1, 429, "429", False),  # an overloaded origin fails its region
-        (1, 408, "408", False),
-        (1, 502, "502", False),
-        (1, 200, "stream_cut", False),  # an origin broke its stream off
-        (1, 200, "", False),  # served
-        (0, 400, "invalid_request", False),  # refused at the proxy (refused_here)
+        (2, NOT_BEGUN, 404, "model_not_found", False),
+        (1, NOT_BEGUN, 429, "429", False),  # an overloaded origin fails its region
+        (1, NOT_BEGUN, 408, "408", False),
+        (1, NOT_BEGUN, 502, "502", False),
+        (1, BEGUN, 200, "stream_cut", False),  # an origin broke its stream off
+        (1, BEGUN, 200, "", False),  # served
+        (0, NOT_BEGUN, 400, "invalid_request", False),  # refused at the proxy (refused_here)
         # Its client left the cache's answer (no origin called): served, not
         # the proxy's refusal.
-        (0, 499, CLIENT_GONE, True),
-        (0, 499, SEND_TIMEOUT, True),
+        (0, BEGUN, 499, CLIENT_GONE, True),
+        (0, BEGUN, 499, SEND_TIMEOUT, True),
         # The proxy, stopping, cut it off (its grace ran out): a rolling
-        # restart is not its region failing.
-        (1, 503, "proxy_stopping", True),
-        (1, 499, "cancelled", True),
+        # restart is not its region failing. Its 503 goes only to a request
+        # whose answer had not begun, waiting on an origin or on anything
+        # else (a cache flight's leader, a concurrency slot: review).
+        (1, NOT_BEGUN, 503, "proxy_stopping", True),
+        (0, NOT_BEGUN, 503, "proxy_stopping", True),
+        (1, BEGUN, 499, "cancelled", True),
+        (0, BEGUN, 499, "cancelled", True),  # a cache answer the stop cut
+        (0, NOT_BEGUN, 499, "cancelled", False),  # nothing served: no region's at all
     ],
 )
 def test_excused_failures_are_not_their_regions_doing(
-    attempts: int, status: int, error: str, excused: bool
+    attempts: int, begun: bool, status: int, error: str, excused: bool
 ) -> None:
-    # The answer's head went out to the client (Exchange.answer) in the
-    # excused cases; not in the others, which fail as much with it.
-    answer = object() if excused else None
+    answer = object() if begun else None
     ex = cast(Exchange, SimpleNamespace(attempts=attempts, answer=answer))
     assert excused_here(ex, status, error) is excused
     # Never both: Metrics.operation counts a refusal, else an excuse.
     assert not (excused and refused_here(ex, status, error))
-    if error in (CLIENT_GONE, SEND_TIMEOUT) and excused:
-        # The same client gone before any answer began is the region's, or
-        # with no origin called, the proxy's refusal.
+    if error in (CLIENT_GONE, SEND_TIMEOUT, "cancelled") and begun:
+        # The same cut before any answer began is the region's, or with no
+        # origin called, no region's (the proxy's refusal).
         gone = cast(Exchange, SimpleNamespace(attempts=attempts, answer=None))
-        assert not excused_here(gone, status, error)
+        assert excused_here(gone, status, error) is (error == "cancelled" and attempts > 0)
         assert refused_here(gone, status, error) is (attempts == 0)
