@@ -484,6 +484,9 @@ class ProxyRecord:
     limited: tuple[tuple[str, int, int], ...] = ()
     # And the origins its passive health ejected, by name.
     ejected: tuple[OriginEjected, ...] = ()
+    # What it enforces of the table among the settings only some builds know
+    # (ponto/features.py); () from a build older than the list.
+    features: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,6 +621,7 @@ def decode_origin(raw: bytes) -> Origin:
 def decode_proxy(raw: bytes) -> ProxyRecord:
     fields = _fields(ProxyRecord, raw)
     fields["served"] = tuple((str(r), int(n), int(e)) for r, n, e in fields.get("served", ()))
+    fields["features"] = tuple(str(f) for f in fields.get("features", ()))
     return ProxyRecord(**fields)
 
 

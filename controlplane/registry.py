@@ -51,6 +51,7 @@ from controlplane.errors import Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
 from controlplane.store import KeyValue, LeaseExpired, Listing, StoreError, StoreUnavailable
+from ponto.features import FEATURES
 from ponto.v1 import routing_pb2 as pb
 from ponto.version import software_version
 
@@ -264,6 +265,8 @@ class ProxyRegistry:
                 "address": address,
                 "started_at": time.time(),
                 "version": software_version(),
+                # What this replica compiles of the settings only some builds know.
+                "features": list(FEATURES),
                 # What this replica reads of the leader's quota shares.
                 "quota_format": QUOTA_FORMAT,
             }
@@ -317,6 +320,7 @@ class ProxyRegistry:
         started_at: float = 0.0,
         host: str = "",
         age_s: float | None = None,
+        features: Sequence[str] = (),
     ) -> ProxyRecord:
         """Register proxy `name`, replacing the registration of its name unless
         that one's process started later (Superseded): a group's worker that a
@@ -338,6 +342,7 @@ class ProxyRegistry:
             started_at=started_at,
             counting_from=connected_at - age_s if age_s is not None else 0.0,
             host=host,
+            features=tuple(features),
         )
         # Timed before the write: a call cancelled (the proxy gone) or failed
         # during it may still have written the key, under the replica's lease,

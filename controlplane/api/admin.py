@@ -50,6 +50,7 @@ from controlplane.model import (
     check_note,
     url_warnings,
 )
+from ponto.features import KEY_SUSPENSION
 from ponto.grpcconn import WARNING_METADATA
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -229,7 +230,13 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
 
 def proxy_pb(p: ProxyRecord, unknown: str = "") -> apb.ProxyStatus:
     return apb.ProxyStatus(
-        info=pb.ProxyInfo(name=p.name, region=p.region, address=p.address, version=p.version),
+        info=pb.ProxyInfo(
+            name=p.name,
+            region=p.region,
+            address=p.address,
+            version=p.version,
+            features=p.features,
+        ),
         session_id=p.session_id,
         acked_version=p.acked_version,
         last_error=p.last_error,
@@ -557,7 +564,43 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> apb.ApiKeyInfo:
         saved, changed = await self._catalog.set_key_suspended(request.id, request.suspended)
         auditing.note(changes=auditing.suspension_changes(request.suspended, changed))
+        if request.suspended:
+            await self._warn(
+                context,
+                self._lacking(KEY_SUSPENSION, "serve the key's callers"),
+                f"key {saved.id} suspended; could not read which processes enforce it",
+            )
         return key_pb(saved)
+
+    async def _lacking(self, feature: str, meanwhile: str) -> list[str]:
+        """Warnings naming the processes that do not list `feature`
+        (ponto/features.py), for a write that saved a setting it gates: the
+        proxies (which `meanwhile` until upgraded) and the control-plane
+        replicas (a table compiled while one leads lacks the setting: every
+        proxy then does as those do). Trial 69: a suspended tenant's and
+        key's callers were served behind one older component, unsaid."""
+        proxies, (replicas, _) = await asyncio.gather(
+            self._catalog.list_proxies(traffic=False), self._catalog.list_replicas()
+        )
+        found = []
+        old_proxies = sorted(p.name for p in proxies if feature not in p.features)
+        if old_proxies:
+            found.append(
+                f"proxies {', '.join(old_proxies)} are of a build without {feature} "
+                f"(pontoctl get proxies, VERSION): they {meanwhile} until upgraded"
+            )
+        old_replicas = sorted(
+            str(r.get("id", "?"))
+            for r in replicas
+            if not (isinstance(listed := r.get("features"), list) and feature in listed)
+        )
+        if old_replicas:
+            found.append(
+                f"control-plane replicas {', '.join(old_replicas)} are of a build without "
+                f"{feature} (pontoctl get controlplanes, VERSION): while one of them leads, "
+                f"the tables lack it and every proxy does the same"
+            )
+        return found
 
     @grpc_errors
     @audited(auditing.set_key_expiry)

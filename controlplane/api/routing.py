@@ -33,6 +33,8 @@ from ponto.v1 import routing_pb2 as pb
 log = logging.getLogger(__name__)
 SERVICE = "ponto.v1.Routing"
 MAX_FIELD = 256
+# A proxy's feature names kept (ponto/features.py lists a few).
+MAX_FEATURES = 64
 # How far after the clock it is judged by (check_start) a proxy's start may be.
 MAX_CLOCK_SKEW_S = 300.0
 # A proxy reports at most this many scopes a time; the rest is ignored.
@@ -183,6 +185,8 @@ class RoutingService:
             info.address,
             info.version,
             started_at=info.started_at,
+            # Names only: a few, each short (none longer than a field).
+            features=[f for f in info.features[:MAX_FEATURES] if len(f) <= MAX_FIELD],
             host=peer_host(context.peer()),
             # Both by the proxy's clock: its age, whatever its skew (a clock
             # stepped back between the two makes none).

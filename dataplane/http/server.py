@@ -69,6 +69,7 @@ from dataplane.upstream.jwks import HttpFetch
 from dataplane.upstream.outlier import OutlierDetector
 from dataplane.upstream.stalls import Stalls
 from dataplane.upstream.wire import USER_AGENT
+from ponto.features import FEATURES
 from ponto.v1 import routing_pb2 as pb
 from ponto.version import software_version
 
@@ -180,6 +181,7 @@ class Proxy:
             # This process's start, near enough: of two processes of one name
             # (a worker and its successor in a reload), the later one keeps it.
             started_at=time.time(),
+            features=FEATURES,
         )
         self.client = client = ControlPlaneClient(
             holder,

@@ -37,6 +37,7 @@ class ProxyInfo(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     STARTED_AT_FIELD_NUMBER: _builtins.int
     SENT_AT_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique within the fleet; a second proxy registering the same name replaces
     the first one's registration, unless the first one's process started later
@@ -62,6 +63,13 @@ class ProxyInfo(_message.Message):
     five minutes after it is refused INVALID_ARGUMENT (it would hold the name
     against every later process). Without it, the control plane's clock.
     """
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the proxy enforces of the route table among the settings only some
+        builds know (ponto/features.py); none from a build older than the list.
+        A write that saves such a setting warns of proxies that lack it.
+        """
+
     def __init__(
         self,
         *,
@@ -71,10 +79,11 @@ class ProxyInfo(_message.Message):
         version: _builtins.str = ...,
         started_at: _builtins.float = ...,
         sent_at: _builtins.float = ...,
+        features: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "region", b"region", "sent_at", b"sent_at", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "features", b"features", "name", b"name", "region", b"region", "sent_at", b"sent_at", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

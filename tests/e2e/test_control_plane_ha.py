@@ -18,6 +18,7 @@ import jwt
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ponto.features import FEATURES
 from ponto.fleet import Fleet, RegionDef
 from ponto.grpcconn import WARNING_METADATA, ClientOptions, admin_channel, read_secret
 from ponto.v1 import admin_pb2 as apb
@@ -74,6 +75,8 @@ def test_replicas_are_listed_with_one_leader(fleet: Fleet) -> None:
     assert {r.version for r in resp.replicas} == {software_version()}
     proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
     assert proxies and {p.info.version for p in proxies} == {software_version()}
+    # And what they enforce of the settings only some builds know.
+    assert all(tuple(p.info.features) == FEATURES for p in proxies)
 
 
 def test_killing_the_leader_hands_over_within_the_ttl_and_no_request_fails(

@@ -10,15 +10,24 @@ from typing import Any
 import orjson
 import pytest
 
-from controlplane.catalog import Catalog
+from controlplane.catalog import REPLICAS, Catalog
 from controlplane.cli import _AUDITED, _keys_text, _parser, _rows_keys, run
 from controlplane.compile import compile_table
 from controlplane.errors import FailedPrecondition, NotFound
-from controlplane.model import ApiKeyRecord, Limits, Tenant, decode_key, encode
+from controlplane.model import (
+    ApiKeyRecord,
+    Limits,
+    ProxyRecord,
+    Tenant,
+    decode_key,
+    decode_proxy,
+    encode,
+)
 from controlplane.store.memory import MemoryStore
+from ponto.features import FEATURES, KEY_SUSPENSION
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
-from tests.unit.test_alias_warnings import admin
+from tests.unit.test_alias_warnings import admin, warned
 
 
 def test_the_flag_is_stored_and_read_back_and_old_records_are_not_suspended() -> None:
@@ -172,3 +181,48 @@ def test_a_tables_summary_counts_suspended_keys_apart() -> None:
 
 def test_get_audit_filters_by_the_actions_a_suspension_is_recorded_as() -> None:
     assert {"SuspendKey", "ResumeKey"} <= _AUDITED and "SetKeySuspended" not in _AUDITED
+
+
+async def test_suspending_warns_of_the_processes_of_a_build_without_it() -> None:
+    """Trial 69: behind an older proxy, or while an older replica led, a
+    suspended caller was served and nothing said so. Each process lists
+    what it enforces (ponto/features.py); one that does not list key
+    suspension is named with the write."""
+    store = MemoryStore()
+    lease = await store.grant_lease(60)
+    catalog = Catalog(store)
+    for name, features in (("p-new", FEATURES), ("p-old", ())):
+        record = ProxyRecord(name, "r1", "", "0.1.0", "s-" + name, "cp-1", 0.0, features=features)
+        await catalog.register_proxy(record, lease)
+    for replica, listed in (("cp-new", list(FEATURES)), ("cp-old", None)):
+        announced = {"id": replica, "address": "", "started_at": 0.0}
+        if listed is not None:
+            announced["features"] = listed
+        await store.put(REPLICAS + replica, orjson.dumps(announced), lease=lease)
+    async with admin(store) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        key_id = (await stub.CreateKey(apb.CreateKeyRequest(tenant="acme"))).key.id
+        said = await warned(
+            stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=True))
+        )
+        assert [w for w in said if KEY_SUSPENSION in w] == [
+            f"proxies p-old are of a build without {KEY_SUSPENSION} (pontoctl get proxies, "
+            "VERSION): they serve the key's callers until upgraded",
+            f"control-plane replicas cp-old are of a build without {KEY_SUSPENSION} (pontoctl "
+            "get controlplanes, VERSION): while one of them leads, the tables lack it and every "
+            "proxy does the same",
+        ]
+        # Resuming needs no build: an older process never refused the key.
+        said = await warned(
+            stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=False))
+        )
+        assert not [w for w in said if KEY_SUSPENSION in w]
+
+
+def test_a_proxy_lists_what_it_enforces_when_it_registers() -> None:
+    assert KEY_SUSPENSION in FEATURES
+    record = ProxyRecord("p", "r1", "", "0.1.0", "s", "cp-1", 0.0, features=FEATURES)
+    assert decode_proxy(encode(record)).features == FEATURES
+    old = orjson.loads(encode(record))
+    del old["features"]  # a registration written before the list
+    assert decode_proxy(orjson.dumps(old)).features == ()
