@@ -7,11 +7,12 @@ CI here has no Docker engine, so the binary path is the one CI exercises.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +31,21 @@ from ponto.devenv import (
 )
 from ponto.pki import Bundle, make_bundle
 from tests.hostsns import NAME_A, NAME_B, PrivateHosts, unshare_problem
+from tests.loops import SelectorLoop
 
 # Hypothesis's per-example deadline (200 ms) is a timing assertion: on a loaded
 # 2-core CI machine an example that takes 0.5 ms alone took 765 ms and failed
 # the suite. Speed is measured in bench/, not asserted here.
 settings.register_profile("ponto", deadline=None)
 settings.load_profile("ponto")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test's loop: asyncio's, taking gRPC completions that arrive
+    after it closed (tests/loops.py; tests/functional/conftest.py adds uvloop)."""
+    return {"asyncio": SelectorLoop}
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 import pytest
-import uvloop
+
+from tests.loops import SelectorLoop, UvLoop
 
 # The edge's tests run on both loops: the proxy serves on uvloop, whose
-# transports are not instances of asyncio's transport classes.
+# transports are not instances of asyncio's transport classes. Both take gRPC
+# completions that arrive after they closed (tests/loops.py).
 BOTH_LOOPS = ("tests.functional.test_edge",)
 
 
@@ -18,5 +20,5 @@ def pytest_asyncio_loop_factories(
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     module = getattr(item, "module", None)
     if module is not None and module.__name__ in BOTH_LOOPS:
-        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-    return {"asyncio": asyncio.new_event_loop}  # pytest-asyncio wants a mapping
+        return {"asyncio": SelectorLoop, "uvloop": UvLoop}
+    return {"asyncio": SelectorLoop}  # pytest-asyncio wants a mapping
