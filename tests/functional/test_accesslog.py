@@ -35,6 +35,7 @@ from tests.functional.test_pipeline import (
     start_stack,
     table,
 )
+from tests.logcheck import errors
 
 
 @pytest.fixture
@@ -299,7 +300,7 @@ async def test_refusals_get_one_line_each_with_their_code(
     refused = [r for r in caplog.records if r.name == "ponto.refusals"]
     assert len(refused) == 6
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
-    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not errors(caplog.records, tracebacks=True)
     assert {r.name for r in caplog.records if r.levelno > logging.INFO} <= {"dataplane.sync.link"}
     assert not any(r.getMessage().startswith("{") for r in caplog.records)
 

@@ -27,6 +27,7 @@ from tests.functional.test_pipeline import (
     start_stack,
     table,
 )
+from tests.logcheck import errors
 
 REFUSALS = "ponto.refusals"
 CHAT = "/v1/chat/completions"
@@ -50,7 +51,7 @@ def authorizations(*keys: str) -> CIMultiDict[str]:
 
 
 def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors(caplog.records)
     records = [r for r in caplog.records if r.name == REFUSALS]
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
     return records

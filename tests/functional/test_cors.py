@@ -22,6 +22,7 @@ from ponto.originsim.app import SimConfig
 from ponto.originsim.app import build_app as sim_app
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_pipeline import KEY, Stack, chat, error_of, start_stack
+from tests.logcheck import errors
 
 APP = "https://app.example"
 PREFLIGHT = {
@@ -145,7 +146,7 @@ async def test_a_preflight_of_another_origin_or_of_bad_headers_is_refused_in_jso
     bare = await stack.client.options(path)
     assert (bare.status, bare.headers["allow"]) == (204, "POST, OPTIONS")
     assert stack.origin_requests() == 0
-    assert not [r for r in caplog.records if r.exc_info is not None or r.levelno >= logging.ERROR]
+    assert not errors(caplog.records, tracebacks=True)
 
 
 # ---------------------------------------------------------------- answers

@@ -18,6 +18,7 @@ from aiohttp.helpers import ceil_timeout
 
 from dataplane.http import edge
 from dataplane.http.edge import EdgeLimits, EdgeRunner
+from tests.logcheck import errors
 
 
 async def swallows_a_cancel(request: web.Request) -> web.Response:
@@ -58,7 +59,7 @@ async def test_a_cancellation_one_request_left_does_not_fail_the_next(
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed after lingering
             writer.close()
         assert "Unhandled exception" not in caplog.text
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors(caplog.records)
     finally:
         await runner.cleanup()
 

@@ -28,6 +28,7 @@ from ponto.apikeys import issue_key
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import COMPLETION, MODEL, Stack, error_of, start_stack
+from tests.logcheck import errors
 
 PLAIN, PROMPTED, ENFORCED, CAPPED = issue_key(), issue_key(), issue_key(), issue_key()
 CEILING = 10
@@ -310,7 +311,7 @@ async def test_a_tool_conversation_out_of_order_is_refused_once_and_reaches_no_o
         assert (err["param"], err["type"], err["code"]) == (param, "invalid_request_error", None)
         said = [r for r in caplog.records if r.name == "ponto.refusals"]
         assert len(said) == 1 and said[0].levelno == logging.INFO and said[0].exc_info is None
-        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert not errors(caplog.records, tracebacks=True)
     answered = [user, calls, {"role": "tool", "tool_call_id": "call_x", "content": "sun"}]
     resp = await proxy.post(
         "/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": answered})
