@@ -41,8 +41,11 @@ _Ts = TypeVarTuple("_Ts")
 
 # The callback grpc's poller gives call_soon_threadsafe for another loop's
 # completion (grpc/_cython/_cygrpc/aio/completion_queue.pyx.pxi); the
-# extension has no type stubs.
-GRPC_COMPLETION: Any = importlib.import_module("grpc._cython.cygrpc")._handle_callback_wrapper
+# extension has no type stubs. A grpcio without it (a private name) leaves
+# the loops as asyncio's: test_late_grpc_completions then fails, saying so.
+GRPC_COMPLETION: Any = getattr(
+    importlib.import_module("grpc._cython.cygrpc"), "_handle_callback_wrapper", None
+)
 
 
 def current_test() -> str:
@@ -63,7 +66,7 @@ class LateCompletions:
 
     def take(self, closed: bool, callback: Callable[..., object], args: tuple[Any, ...]) -> bool:
         """Whether the callback was a late gRPC completion, now finished."""
-        if not closed or callback is not GRPC_COMPLETION:
+        if not closed or GRPC_COMPLETION is None or callback is not GRPC_COMPLETION:
             return False
         # The operation's future, which grpc's wrapper holds (args[0]); gc
         # reads it, the extension has no attribute for it.
