@@ -3,7 +3,11 @@
 Exit codes: 0 success; 2 a bad value (flags, a topology file, or a value the
 control plane refused as INVALID_ARGUMENT), found before anything is written;
 1 any other refusal or failure of the control plane (not found, already
-exists, unreachable, not allowed). Every error is one message on stderr,
+exists, unreachable, not allowed; a call it lacks, said as the control plane
+being older than the command), and a write whose answer lacks a field it
+asked for (`error: NOT SAVED: ...` after the output, which says what the
+answer holds: a control plane older than the field dropped it; see
+docs/operations.md). Every error is one message on stderr,
 never a traceback (nor a line of gRPC core's log, unless GRPC_VERBOSITY asks
 for them); one that failed to reach the control plane names the TLS setting
 its cause points to (ponto.linkadvice); a client certificate out of its dates
@@ -42,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Self, TypeVar
 
 import grpc
 import orjson
@@ -1043,7 +1047,15 @@ def _limits_over(current: pb.Limits, args: argparse.Namespace, owner: str) -> pb
         for dest in LIMIT_DESTS
     }
     Limits(**values).validated(owner)
-    return pb.Limits(**values)
+    # A copy of what was read, not a message rebuilt from the fields known
+    # here: a newer control plane's limits (fields this pontoctl does not
+    # know, kept as unknown fields) go back as they came (trial 69: an older
+    # pontoctl's rebuilt limits wiped the budgets it did not know).
+    limits = pb.Limits()
+    limits.CopyFrom(current)
+    for dest, value in values.items():
+        setattr(limits, dest, value)
+    return limits
 
 
 def _models_text(
@@ -1221,6 +1233,18 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
     if args.suspended is not None and (args.suspended == "on") != current.suspended:
         req.suspended = args.suspended == "on"
     return req
+
+
+def _asked_tenant(update: apb.UpdateTenantRequest) -> pb.Tenant:
+    """The tenant as `update` would leave the parts it sets, the others
+    empty: what its answer must hold."""
+    asked = pb.Tenant(name=update.name)
+    for part in ("limits", "cache", "prompt", "routing", "streams", "models", "jwt"):
+        if update.HasField(part):
+            getattr(asked, part).CopyFrom(getattr(update, part))
+    if update.HasField("suspended"):
+        asked.suspended = update.suspended
+    return asked
 
 
 def _milliseconds(text: str, flag: str) -> int:
@@ -1863,6 +1887,47 @@ def _probe(o: pb.Origin) -> str:
     return "off" if o.not_probed else o.probe_path or "default"
 
 
+def _not_saved(asked: Message, got: Message, blank: Message, path: str = "") -> list[str]:
+    """The fields that `asked` sets and `got` lacks, nested ones named
+    `part.field`, in the order of their numbers. `got` is the control
+    plane's answer in `asked`'s type, and `blank` an empty answer in that
+    type: a field is lacking when `got` holds it as `blank` does. That is
+    what a control plane older than the field answers: protobuf parses what
+    it does not know, and its records keep only what it knows (trial 69:
+    `limit set --tokens-per-day` and `origin add --probe off` said done, and
+    nothing was saved). A field answered otherwise, but not empty, is the
+    control plane's normal form of it (a default filled in, a list sorted),
+    not a loss. A field asked empty is never named: it cannot be told from
+    one dropped, and a control plane without the field has it empty anyway."""
+    missing = []
+    for field, value in asked.ListFields():
+        name = path + field.name
+        held, empty = getattr(got, field.name), getattr(blank, field.name)
+        if field.message_type is not None and not field.is_repeated:
+            missing += _not_saved(value, held, empty, f"{name}.")
+        elif value != held and held == empty:
+            missing.append(name)
+    return missing
+
+
+NOT_SAVED = "(the control plane does not support it; upgrade every replica)"
+
+
+class Shown(str):
+    """What a command prints on stdout, and `not_saved`: the fields it
+    asked the control plane to save that its answer lacks (_not_saved), each
+    an `error: NOT SAVED: ...` line on stderr after it, and exit code 1: the
+    command did not do all it was asked. The output says what the answer
+    holds, never what was sent."""
+
+    not_saved: tuple[str, ...]
+
+    def __new__(cls, text: str, not_saved: Sequence[str] = ()) -> Self:
+        made = super().__new__(cls, text)
+        made.not_saved = tuple(not_saved)
+        return made
+
+
 # How long `key create` waits for the proxies to take the new key (trial 48:
 # a key used as soon as the command returned was refused for 0.13 s), and how
 # often it asks. A key is usable at once on the proxies that have it.
@@ -1898,7 +1963,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
     """Perform one command; return what to print. Raises grpc.RpcError on refusal."""
     if args.command == "region" and args.action == "add":
 
-        def put_region() -> tuple[pb.Region | None, pb.Region]:
+        def put_region() -> tuple[pb.Region | None, apb.RegionSpec, pb.Region]:
             current = None
             if args.update:
                 listed = stub.ListRegions(apb.ListRequest()).regions
@@ -1908,22 +1973,25 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             # Saved only if no other change came since `current` was read.
             expected = _region_as_spec(current) if current is not None else None
             if current is not None and spec == expected:
-                return current, current  # nothing to write (trial 54: audited anyway)
+                return current, spec, current  # nothing to write (trial 54: audited anyway)
             request = apb.PutRegionRequest(region=spec, allow_update=args.update, expected=expected)
-            return current, stub.PutRegion(request)
+            return current, spec, stub.PutRegion(request)
 
-        was, r = _read_and_write(put_region)
+        was, asked_region, r = _read_and_write(put_region)
+        lost = _not_saved(asked_region, _region_as_spec(r), _region_as_spec(pb.Region()))
         saved = f"region {r.name} ({r.latitude:g}, {r.longitude:g}) saved"
         if was is None:
-            return saved
+            return Shown(saved, lost)
         changed = _region_changes(was, r)
-        return f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged")
+        return Shown(
+            f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged"), lost
+        )
     if args.command == "region" and args.action == "delete":
         stub.DeleteRegion(apb.DeleteRequest(name=args.name))
         return f"region {args.name} deleted"
     if args.command == "origin" and args.action == "add":
 
-        def put_origin() -> tuple[pb.Origin | None, pb.Origin]:
+        def put_origin() -> tuple[pb.Origin | None, apb.OriginSpec, pb.Origin]:
             current = None
             if args.update:
                 listed = stub.ListOrigins(apb.ListRequest()).origins
@@ -1933,18 +2001,23 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             # Saved only if no other change came since `current` was read.
             expected = _as_spec(current) if current is not None else None
             if current is not None and ospec == expected:
-                return current, current  # nothing to write (trial 54: audited anyway)
+                return current, ospec, current  # nothing to write (trial 54: audited anyway)
             request = apb.PutOriginRequest(
                 origin=ospec, allow_update=args.update, expected=expected
             )
-            return current, stub.PutOrigin(request)
+            return current, ospec, stub.PutOrigin(request)
 
-        read, o = _read_and_write(put_origin)
+        read, asked_origin, o = _read_and_write(put_origin)
+        # Trial 69: `--update --probe off` against a control plane older
+        # than probe settings said "unchanged" and exited 0.
+        lost = _not_saved(asked_origin, _as_spec(o), _as_spec(pb.Origin()))
         saved = f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
         if read is None:
-            return saved
+            return Shown(saved, lost)
         changed = _origin_changes(read, o)
-        return f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged")
+        return Shown(
+            f"{saved}; " + (f"changed: {'; '.join(changed)}" if changed else "unchanged"), lost
+        )
     if args.command == "origin" and args.action == "delete":
         stub.DeleteOrigin(apb.DeleteRequest(name=args.name))
         return f"origin {args.name} deleted"
@@ -2015,20 +2088,28 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             changes = tenant_changes(tenant_of(current), tenant_of(t))
             if changes:
                 saved += f"\n  changed: {changes}"
-        return saved
+        return Shown(saved, _not_saved(_asked_tenant(update), t, pb.Tenant()))
     if args.command == "key":
         if args.action == "create":
             check_note("key description", args.description)
-            resp = stub.CreateKey(
-                apb.CreateKeyRequest(
-                    tenant=args.tenant,
-                    description=args.description,
-                    limits=_limits_over(pb.Limits(), args, "the key"),
-                    # The control plane's clock decides, not this machine's.
-                    expires_in_s=args.expires_in or 0.0,
-                    models=args.models,
-                )
+            create = apb.CreateKeyRequest(
+                tenant=args.tenant,
+                description=args.description,
+                limits=_limits_over(pb.Limits(), args, "the key"),
+                # The control plane's clock decides, not this machine's.
+                expires_in_s=args.expires_in or 0.0,
+                models=args.models,
             )
+            resp = stub.CreateKey(create)
+            asked_key = apb.ApiKeyInfo(
+                tenant=create.tenant,
+                description=create.description,
+                limits=create.limits,
+                models=create.models,
+            )
+            lost = _not_saved(asked_key, resp.key, apb.ApiKeyInfo())
+            if create.expires_in_s and not resp.key.expires_at:
+                lost.append("expires_in")
             expiry = f", expiring {utc(resp.key.expires_at)}" if resp.key.expires_at else ""
             if args.expires_in and not resp.key.expires_at:
                 # A control plane older than key expiry drops the field.
@@ -2062,6 +2143,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 f"key {resp.key.id} created for tenant {resp.key.tenant}{expiry}{naming}{taken}; "
                 "it is shown only now, store it safely:\n" + str(resp.secret),
                 resp.key.id,
+                lost,
             )
         if args.action == "list":
             keys = stub.ListKeys(
@@ -2095,20 +2177,19 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             )
 
         # Each saved only if no other change came since its limits were read.
-        def key_limits() -> tuple[pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
+        def key_limits() -> tuple[pb.Limits, pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
             listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
             key = next((k for k in listed.keys if k.id == args.key), None)
             current = key.limits if key is not None else pb.Limits()
             limits = _limits_over(current, args, f"key {args.key!r}")
             if key is not None and limits == current:
-                return current, limits, listed.spent  # nothing to write
+                return current, limits, current, listed.spent  # nothing to write
             request = apb.SetKeyLimitsRequest(id=args.key, limits=limits)
             if key is not None:
                 request.expected.CopyFrom(current)
-            stub.SetKeyLimits(request)
-            return current, limits, listed.spent
+            return current, limits, stub.SetKeyLimits(request).limits, listed.spent
 
-        def tenant_limits() -> tuple[pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
+        def tenant_limits() -> tuple[pb.Limits, pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
             tenants = stub.ListTenants(apb.ListRequest())
             tenant = next(
                 (t for t in tenants.tenants if t.name == args.tenant), pb.Tenant(name=args.tenant)
@@ -2116,23 +2197,27 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             current = tenant.limits
             limits = _limits_over(current, args, f"tenant {args.tenant!r}")
             if limits == current and any(t.name == args.tenant for t in tenants.tenants):
-                return current, limits, tenants.spent  # nothing to write (trial 54)
+                return current, limits, current, tenants.spent  # nothing to write (trial 54)
             request = apb.UpdateTenantRequest(name=args.tenant, limits=limits, expected=tenant)
-            stub.UpdateTenant(request)
-            return current, limits, tenants.spent
+            return current, limits, stub.UpdateTenant(request).limits, tenants.spent
 
         if args.key:
-            were, limits, spent = _read_and_write(key_limits)
+            were, asked_limits, limits, spent = _read_and_write(key_limits)
             owner, scope = f"key {args.key}", f"k/{args.key}"
         else:
-            were, limits, spent = _read_and_write(tenant_limits)
+            were, asked_limits, limits, spent = _read_and_write(tenant_limits)
             owner, scope = f"tenant {args.tenant}", f"t/{args.tenant}"
+        # What the answer holds, not what was sent (trial 69: a control plane
+        # older than budgets dropped --tokens-per-day, and this said it was set).
         if were == limits:
             said = f"limits of {owner} unchanged: {_limits_text(limits)}"
         else:
             said = f"limits of {owner} set: {_limits_text(limits)} (were: {_limits_text(were)})"
         notes = _budget_notes(limits, next((b for b in spent if b.scope == scope), None))
-        return "\n".join([said, *(f"note: {n}" for n in notes)])
+        return Shown(
+            "\n".join([said, *(f"note: {n}" for n in notes)]),
+            _not_saved(asked_limits, limits, pb.Limits()),
+        )
     if args.command == "cache":
         if not (args.tenant or args.model or args.all):
             raise UsageError("give --tenant, --model, or --all to purge everything")
@@ -2298,8 +2383,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: a value is out of range: {exc}", file=sys.stderr)
             return 2
         except grpc.RpcError as exc:
-            return _refused(exc, address, options, cut_off, check=_check_with(args))
-    return write(shown)
+            return _refused(
+                exc, address, options, cut_off, check=_check_with(args), command=_command(args)
+            )
+    return finish(shown)
+
+
+def finish(shown: str) -> int:
+    """Write a command's output (`write`), then, on stderr, each field it
+    asked for that the control plane did not save (Shown.not_saved); the
+    exit code: 1 if any was not, else write's."""
+    written = write(shown)
+    not_saved = shown.not_saved if isinstance(shown, Shown) else ()
+    for field in not_saved:
+        print(f"error: NOT SAVED: {field} {NOT_SAVED}", file=sys.stderr)
+    return 1 if not_saved else written
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line's command, as `pontoctl --help` names it: `key
+    models`, `get audit`."""
+    # `get audit` has an --action of its own: a get's is its kind.
+    if args.command in ("get", "drain", "undrain"):
+        return f"{args.command} {args.kind}"
+    action = getattr(args, "action", None)
+    return f"{args.command} {action}" if action else str(args.command)
 
 
 def _check_with(args: argparse.Namespace) -> str | None:
@@ -2322,14 +2430,14 @@ def _check_with(args: argparse.Namespace) -> str | None:
     return ""  # a purge: purging again does no harm
 
 
-class OnceShown(str):
+class OnceShown(Shown):
     """Output holding a secret the control plane gives only once (key
     create's), and the id of its key, which `write` names if it is lost."""
 
     key_id: str
 
-    def __new__(cls, text: str, key_id: str) -> OnceShown:
-        made = super().__new__(cls, text)
+    def __new__(cls, text: str, key_id: str, not_saved: Sequence[str] = ()) -> Self:
+        made = super().__new__(cls, text, not_saved)
         made.key_id = key_id
         return made
 
@@ -2476,13 +2584,16 @@ def _refused(
     cut_off: Sequence[str] = (),
     *,
     check: str | None = None,
+    command: str = "",
 ) -> int:
     """Print the control plane's refusal on one line; return the exit code.
     `cut_off`: the replicas passed over as unable to reach their state store.
     `check`: what shows the command's change (_check_with), None for a
     command that changes nothing: a change with no answer may have been made,
     and is said to be, with what to run before running it again (the call is
-    never sent again by pontoctl, to this replica or another)."""
+    never sent again by pontoctl, to this replica or another). `command`:
+    the command (_command), which an UNIMPLEMENTED names: the control plane
+    is older than it (trial 69: `key models` said `Method not found!`)."""
     code: grpc.StatusCode | None = getattr(exc, "code", lambda: None)()
     detail: str = getattr(exc, "details", lambda: "")() or str(code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -2502,6 +2613,15 @@ def _refused(
             detail += f"; check the admin token in {options.token_source or 'use'}"
         else:
             detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
+    elif code == grpc.StatusCode.UNIMPLEMENTED:
+        # A call this pontoctl knows and the replica's Admin API does not: a
+        # replica older than the command (one call of a rolling upgrade may
+        # reach an old replica, the next a new one).
+        detail = (
+            f"the control plane at {address} is older than "
+            + (f"`pontoctl {command}`" if command else "this command")
+            + f" ({detail}): upgrade every replica to use it"
+        )
     elif code == grpc.StatusCode.PERMISSION_DENIED and "Admin API" not in detail:
         detail += "; this credential may not use the Admin API"
     elif code == grpc.StatusCode.DEADLINE_EXCEEDED and MAY_HAVE_BEEN_MADE in detail:

@@ -14,7 +14,8 @@ from ponto.v1 import routing_pb2 as pb
 
 
 class Stub:
-    """The two Admin calls `tenant set` makes; keeps what was sent."""
+    """The two Admin calls `tenant set` (and `limit set`) makes; keeps what
+    was sent, and answers with the parts it sets applied."""
 
     def __init__(self, current: pb.Tenant) -> None:
         self.current = current
@@ -28,7 +29,7 @@ class Stub:
         self.updates.append(req)
         merged = pb.Tenant()
         merged.CopyFrom(self.current)
-        for part in ("cache", "routing"):
+        for part in ("limits", "cache", "routing"):
             if req.HasField(part):
                 getattr(merged, part).CopyFrom(getattr(req, part))
         self.current = merged
@@ -184,6 +185,7 @@ def test_limit_set_says_what_it_changed_and_a_budget_that_works_otherwise_than_o
         "requests are refused until the 1st of next month, 00:00 UTC",
     ]
     # The day's budget under what was spent today; nothing changed says no "were".
+    stub.current = pb.Tenant(name="acme", limits=pb.Limits(rpm=60, tokens_per_day=5000))
     out = run(
         _parser().parse_args(["limit", "set", "--tenant", "acme", "--tokens-per-day", "2500"]), stub
     )
