@@ -3,8 +3,8 @@ rolling upgrade): a write says what the control plane's answer holds, and
 each field asked that the answer lacks is `NOT SAVED` with exit code 1; a
 call the control plane lacks says it is older than the command; fields
 pontoctl does not know (a newer control plane's) survive its read-then-write
-commands; and today's control plane keeps the budgets an older pontoctl,
-which cannot know them, sends its limits without."""
+commands; and today's control plane saves every setting today's pontoctl
+asks for (no false NOT SAVED)."""
 
 from __future__ import annotations
 
@@ -379,75 +379,3 @@ async def test_today_s_control_plane_saves_every_setting_pontoctl_asks_for() -> 
         for argv in commands:
             said = await asyncio.to_thread(ctl, stub.address, *argv)
             assert said.not_saved == (), (argv, said)
-
-
-async def test_today_s_control_plane_keeps_budgets_an_older_pontoctl_could_not_send() -> None:
-    """Trial 69: an older pontoctl's `limit set --tenant gamma --rpm 160`
-    (its known limits merged, sent whole without `expected`) wiped the
-    tenant's budgets. Today's pontoctl, which sends `expected`, still
-    removes a budget with 0."""
-    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
-        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="gamma")))
-        budgets = ("--tokens-per-day", "4", "--tokens-per-month", "5")
-        await asyncio.to_thread(ctl, stub.address, "limit", "set", "--tenant", "gamma", *budgets)
-        created = await asyncio.to_thread(
-            ctl, stub.address, "key", "create", "--tenant", "gamma", *budgets
-        )
-        key = created.splitlines()[0].split()[1]
-        # As the older pontoctl sends them: rpm, tpm, concurrency; no expected.
-        old = pb.Limits(rpm=160)
-        said = await stub.UpdateTenant(apb.UpdateTenantRequest(name="gamma", limits=old))
-        assert said.limits == pb.Limits(rpm=160, tokens_per_day=4, tokens_per_month=5)
-        said = await stub.SetKeyLimits(apb.SetKeyLimitsRequest(id=key, limits=old))
-        assert said.limits == pb.Limits(rpm=160, tokens_per_day=4, tokens_per_month=5)
-        # A budget the writer gives is taken, with or without expected.
-        said = await stub.SetKeyLimits(
-            apb.SetKeyLimitsRequest(id=key, limits=pb.Limits(tokens_per_day=9))
-        )
-        assert said.limits == pb.Limits(tokens_per_day=9, tokens_per_month=5)
-        for owner in (("--tenant", "gamma"), ("--key", key)):
-            said = await asyncio.to_thread(
-                ctl, stub.address, "limit", "set", *owner, "--tokens-per-day", "0"
-            )
-            assert said.startswith(f"limits of {' '.join(owner)[2:]} set: "), said
-            assert "tokens_per_day" not in said.splitlines()[0].split("(were")[0], said
-            assert said.not_saved == ()
-        [tenant] = (await stub.ListTenants(apb.ListRequest())).tenants
-        assert tenant.limits == pb.Limits(rpm=160, tokens_per_month=5)
-
-
-async def test_today_s_control_plane_keeps_origin_settings_an_older_pontoctl_could_not_send() -> (
-    None
-):
-    """An older pontoctl's `origin add --update` replaced the origin from its
-    flags alone: probing turned back on for a hosted API (then ejected as
-    unhealthy), its model names gone. Today's pontoctl, which sends
-    `expected`, still turns probing on and removes a name."""
-    async with admin_server(MemoryStore(), Clock(), admin_token="") as stub:
-        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
-        spec = apb.OriginSpec(
-            name="o", base_url="http://o:8000", region="eu", models=["m", "n"], weight=3
-        )
-        today = apb.OriginSpec()
-        today.CopyFrom(spec)
-        today.probe, today.model_names["m"], today.model_names["n"] = "off", "own-m", "own-n"
-        await stub.PutOrigin(apb.PutOriginRequest(origin=today))
-        # As the older pontoctl sends it: what it knows, its models changed; no expected.
-        spec.models[:] = ["m"]
-        said = await stub.PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True))
-        assert said.not_probed and dict(said.model_names) == {"m": "own-m"}
-        assert (list(said.models), said.weight) == (["m"], 3)
-        # A probe path it gives turns probing on at that path.
-        spec.probe_path = "/ping"
-        said = await stub.PutOrigin(apb.PutOriginRequest(origin=spec, allow_update=True))
-        assert (said.not_probed, said.probe_path) == (False, "/ping")
-        said = await asyncio.to_thread(
-            ctl, stub.address, "origin", "add", "o", "--update", "--probe", "off"
-        )
-        said = await asyncio.to_thread(
-            ctl, stub.address, "origin", "add", "o", "--update", "--probe", "on",
-            "--model-name", "m=",
-        )  # fmt: skip
-        assert said.not_saved == () and "probe off -> default" in said, said
-        [origin] = (await stub.ListOrigins(apb.ListRequest())).origins
-        assert not origin.not_probed and origin.probe_path == "" and not origin.model_names
