@@ -1000,9 +1000,11 @@ class Catalog:
                 return 0
             revision = 0 if kv is None else kv.mod_revision
             try:
-                value = encode_over(record, None if kv is None else kv.value)
+                # encode, not encode_over: a registration is a new session's
+                # whole record, and what a newer replica wrote of the last
+                # session is not this one's.
                 return await _guard(
-                    self.store.put(key, value, lease=lease, if_mod_revision=revision)
+                    self.store.put(key, encode(record), lease=lease, if_mod_revision=revision)
                 )
             except Conflict:
                 continue
