@@ -23,6 +23,7 @@ from controlplane.api.routing import RoutingService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
 from controlplane.catalog import REPLICAS, Catalog
+from controlplane.compaction import Compactor
 from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.errors import Unavailable
@@ -163,6 +164,7 @@ class ControlPlane:
         self.scraper = LoadScraper(
             store, self.publisher, settings.probe, fence=lambda: self.leadership.fence
         )
+        self.compactor = Compactor(rebased, settings.etcd_compaction_interval)
         self.health = health.aio.HealthServicer()
         self.status = ReplicaHealth(self.health, store, self.publisher)
         security = settings.security
@@ -391,6 +393,8 @@ class ControlPlane:
                 group.create_task(self.rebalancer.run(), name="quota-rebalance")
                 group.create_task(self.scraper.run(), name="load-scrape")
                 group.create_task(self.audit.run_trim(), name="audit-trim")
+                if self.compactor.interval:
+                    group.create_task(self.compactor.run(), name="etcd-compaction")
         except BaseExceptionGroup as failed:
             if len(failed.exceptions) == 1:
                 raise failed.exceptions[0] from None

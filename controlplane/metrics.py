@@ -58,6 +58,7 @@ STORE_OPS = (
     "grant_lease",
     "refresh_lease",
     "revoke_lease",
+    "compact",
 )
 ETCD_ERROR_OPS = (*STORE_OPS, "watch")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from controlplane import audit
+from controlplane.compaction import DEFAULT_INTERVAL_S as DEFAULT_COMPACTION_S
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import CALL_TIMEOUT_S, EtcdTls, split_endpoint
 from ponto import tlsfiles
@@ -39,6 +40,8 @@ class Settings:
     etcd_tls: EtcdTls | None = None  # None: plaintext to etcd
     # EtcdStore's call timeout (the hidden --etcd-timeout-ms: tests only).
     etcd_timeout: float = CALL_TIMEOUT_S
+    # How often the leader compacts etcd's history (controlplane.compaction); 0: never.
+    etcd_compaction_interval: float = DEFAULT_COMPACTION_S
     audit_retention_days: float = audit.RETENTION_DAYS
     audit_max_entries: int = audit.MAX_ENTRIES
     http_listen: str = ""  # the status page and its API; "" for none
@@ -180,6 +183,15 @@ def parser() -> argparse.ArgumentParser:
         " for as long is shown stale; the same on every replica, at least 1000"
         " (default: %(default)s)",
     )
+    p.add_argument(
+        "--etcd-compaction-interval-s",
+        type=finite_float,
+        default=DEFAULT_COMPACTION_S,
+        help="how often the leader compacts etcd's history, to what it was one interval"
+        " before (etcd keeps every revision until compacted, and refuses writes once its"
+        " quota is full); 0: never, for an etcd that compacts itself"
+        " (default: %(default)s)",
+    )
     # The store's call timeout (CALL_TIMEOUT_S): hidden, for tests that would
     # otherwise wait out 3 s for each call to an etcd that is away.
     p.add_argument(
@@ -283,6 +295,8 @@ def parse(argv: list[str]) -> Settings:
         # Proxies report about once a second (their --report-interval-ms):
         # a window of three shorter writes would show busy proxies stale.
         p.error("--traffic-interval-ms must be at least 1000")
+    if a.etcd_compaction_interval_s != 0 and a.etcd_compaction_interval_s < 1:
+        p.error("--etcd-compaction-interval-s must be 0 (never) or at least 1")
     if a.etcd_timeout_ms < 100:
         p.error("--etcd-timeout-ms must be at least 100")
     try:
@@ -341,6 +355,7 @@ def parse(argv: list[str]) -> Settings:
         traffic_interval=a.traffic_interval_ms / 1000,
         etcd_tls=etcd_tls,
         etcd_timeout=a.etcd_timeout_ms / 1000,
+        etcd_compaction_interval=a.etcd_compaction_interval_s,
         audit_retention_days=a.audit_retention_days,
         audit_max_entries=a.audit_max_entries,
         http_listen=hostport(*a.http_listen) if a.http_listen else "",

@@ -172,6 +172,13 @@ class StateStore(Protocol):
 
     async def revoke_lease(self, lease_id: int) -> None: ...
 
+    async def compact(self, revision: int) -> None:
+        """Drop the store's history up to `revision` (etcd's compaction),
+        which a revision handed out by this store names: a watch from before
+        it is told so and its consumer re-lists. One at or below what is
+        compacted already is no error."""
+        ...
+
     def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         """Yield a store revision each time keys under prefix change.
 

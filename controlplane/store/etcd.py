@@ -568,6 +568,15 @@ class EtcdStore:
         )
         return int(resp.deleted)
 
+    async def compact(self, revision: int) -> None:
+        """KV.Compact to `revision`; one etcd compacted already (its own
+        --auto-compaction, another replica) is no error."""
+        try:
+            await self._call("compact", lambda m, t: m.kv.compact(revision, timeout=t), write=True)
+        except StoreUnavailable as exc:
+            if "has been compacted" not in str(exc):
+                raise
+
     def _compares(
         self, key: str, if_absent: bool, if_mod_revision: int | None, fence: Fence | None = None
     ) -> builtins.list[Any]:

@@ -101,6 +101,9 @@ class InstrumentedStore:
     async def revoke_lease(self, lease_id: int) -> None:
         await self._timed("revoke_lease", self.inner.revoke_lease(lease_id))
 
+    async def compact(self, revision: int) -> None:
+        await self._timed("compact", self.inner.compact(revision))
+
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         revisions = self.inner.watch(prefix, start_revision)
         try:

@@ -47,6 +47,7 @@ class MemoryStore:
         self._changed = asyncio.Event()
         # (revision, key) of each change, for watchers that fall behind.
         self._history: list[tuple[int, str]] = []
+        self._compacted = 0  # history up to here is gone (compact)
         self.available = True  # tests flip this to simulate an outage
 
     def _check(self) -> None:
@@ -221,14 +222,24 @@ class MemoryStore:
         self._keys = list(snapshot.keys)
         self._revision = snapshot.revision
         self._history = list(snapshot.history)
+        self._compacted = 0  # the restored store's history is the snapshot's
         self._notify()
+
+    async def compact(self, revision: int) -> None:
+        self._check()
+        if revision > self._revision:
+            raise StoreUnavailable(f"revision {revision} is a future revision")
+        self._compacted = max(self._compacted, revision)
+        self._history = [(r, k) for r, k in self._history if r > self._compacted]
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         # 0 means from now on, as in etcd.
         seen = start_revision or self._revision
         while True:
-            # Restored (the revision went back): said once, then watched from there.
-            went_back = self._revision < seen
+            # Restored (the revision went back), or compacted past where it
+            # watches from (as etcd's compact_revision): said once, then
+            # watched from there.
+            went_back = self._revision < seen or seen < self._compacted
             history = reversed(self._history)
             if went_back or any(r > seen and k.startswith(prefix) for r, k in history):
                 seen = self._revision

@@ -303,6 +303,14 @@ class RebasedStore:
     async def revoke_lease(self, lease_id: int) -> None:
         await self.inner.revoke_lease(lease_id)
 
+    async def compact(self, revision: int) -> None:
+        """The inner store's compaction to the revision handed out as
+        `revision`; one of no revision of the store's (below its base) is
+        nothing to compact."""
+        raw = self._in(revision)
+        if raw > 0:
+            await self.inner.compact(raw)
+
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         """The inner watch's revisions with the base added. One lower than
         the last (the inner store yields etcd's revision once it went back)

@@ -417,6 +417,33 @@ async def test_watch_replays_changes_after_start_revision(store: StateStore) -> 
         await watcher.close()
 
 
+async def test_a_watch_from_before_a_compaction_is_told_to_read_again(
+    store: StateStore,
+) -> None:
+    """The leader compacts the history (controlplane.compaction): a watch
+    resumed from a revision compacted away yields at once, so its consumer
+    re-lists, though nothing under its prefix changed since."""
+    start = (await store.list(P)).revision
+    await store.put(P + "other/1", b"1")
+    compacted = await store.put(P + "other/2", b"2")
+    await store.compact(compacted)
+    await store.compact(compacted)  # compacted already: no error
+    await store.compact(start)  # below it: no error either
+    watcher = Watcher(store, P + "w/", start)
+    try:
+        assert await watcher.next(LONG) >= compacted
+    finally:
+        await watcher.close()
+    # A watch from the compacted revision on, or from now, waits as before.
+    watcher = Watcher(store, P + "w/", compacted)
+    try:
+        assert await watcher.silent_for(SHORT)
+        rev = await store.put(P + "w/new", b"1")
+        assert await watcher.next(LONG) >= rev
+    finally:
+        await watcher.close()
+
+
 async def test_watch_from_zero_starts_now(store: StateStore) -> None:
     """Revision 0 means "from now on" (EtcdStore.watch); history is not replayed.
 

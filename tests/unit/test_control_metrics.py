@@ -382,6 +382,7 @@ async def test_every_operation_s_errors_are_exported_from_zero() -> None:
         store.grant_lease(5),
         store.refresh_lease(1),
         store.revoke_lease(1),
+        store.compact(1),
     ):
         with pytest.raises(StoreUnavailable):
             await call

@@ -158,6 +158,10 @@ class Partitioned:
         self._check()
         await self._inner.revoke_lease(lease_id)
 
+    async def compact(self, revision: int) -> None:
+        self._check()
+        await self._inner.compact(revision)
+
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         self._check()
         async for revision in self._inner.watch(prefix, start_revision):
