@@ -52,19 +52,29 @@ class Compactor:
         self.compacted = 0  # the last revision compacted to
 
     async def once(self) -> None:
-        """Compact to the revision read last time, then read the revision
-        for next time."""
+        """Compact to the revision read last time, then keep the revision
+        read now for next time. It is kept even when the compaction fails:
+        one that cannot be made (a revision etcd no longer has, after a
+        restore) is not tried again and again."""
         try:
             # A read of one key, for the store's revision now.
             now = (await self.store.list(LEADER_KEY)).revision
-            if self._previous and self._previous > self.compacted:
-                await self.store.compact(self._previous)
-                self.compacted = self._previous
-                log.debug("etcd history compacted to revision %d", self._previous)
         except StoreError as exc:
-            log.warning("etcd history not compacted (tried again in %g s): %s", self.interval, exc)
+            self._failed(exc)
             return
-        self._previous = now
+        target, self._previous = self._previous, now
+        if not target or target <= self.compacted:
+            return  # nothing read before, or nothing written since
+        try:
+            await self.store.compact(target)
+        except StoreError as exc:
+            self._failed(exc)
+            return
+        self.compacted = target
+        log.debug("etcd history compacted to revision %d", target)
+
+    def _failed(self, exc: StoreError) -> None:
+        log.warning("etcd history not compacted (tried again in %g s): %s", self.interval, exc)
 
     async def run(self) -> None:
         while True:

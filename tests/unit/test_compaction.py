@@ -88,3 +88,21 @@ def test_the_flag_sets_the_interval_and_zero_turns_it_off(
     with pytest.raises(SystemExit):
         parse(["--etcd-compaction-interval-s", "0.5"])
     assert "must be 0 (never) or at least 1" in capsys.readouterr().err
+
+
+async def test_a_revision_that_cannot_be_compacted_is_not_tried_again() -> None:
+    """After a restore etcd's revision went back below one read before it:
+    that one is a future revision, refused; the next interval compacts to
+    one read since."""
+    store = Recording()
+    compactor = Compactor(store, 60)
+    await store.put("/a", b"1")
+    snapshot = store.snapshot()
+    await store.put("/a", b"2")
+    await compactor.once()  # reads the revision past the snapshot
+    store.restore(snapshot)
+    await compactor.once()  # that revision is in the future now: refused
+    assert store.compactions == []
+    await store.put("/a", b"3")
+    await compactor.once()
+    assert store.compactions == [snapshot.revision]
