@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector
@@ -49,6 +49,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from dataplane.streaming.usage import Usage
+from ponto.routetable import OPEN_TENANT
 
 if TYPE_CHECKING:
     from dataplane.auth.remote import RemoteKeys
@@ -159,6 +160,14 @@ class _Family(Collector, Generic[CellT]):
 
     def describe(self) -> Iterator[Metric]:
         yield self._empty()
+
+    def forget(self, kept: Callable[[tuple[str, ...]], bool]) -> list[tuple[str, ...]]:
+        """Drop the series whose label values `kept` refuses (their counts
+        end, as a restarted process's do); the label values dropped."""
+        gone = [values for values in self._cells if not kept(values)]
+        for values in gone:
+            del self._cells[values]
+        return gone
 
 
 class Counter(_Family[CounterCell]):
@@ -830,6 +839,20 @@ class Metrics:
                 del limited[next(iter(limited))]
         limited[tenant] = counts
         return counts
+
+    def forget_tenants(self, present: Collection[str]) -> None:
+        """Drop the per-tenant series of the tenants not in `present` (the
+        route table's, after each table): a deleted tenant's requests and
+        tokens were exported until the proxy restarted (trial 68: two series
+        per deleted tenant per proxy, for good). The open fleet's tenant is
+        never one to drop."""
+
+        def kept(values: tuple[str, ...]) -> bool:
+            return values[0] in present or values[0] == OPEN_TENANT
+
+        for values in self.tenant_requests.forget(kept):
+            self._requests_of.pop(values, None)
+        self.tenant_tokens.forget(kept)
 
     def account_request(self, tenant: str, key: str, status: int) -> None:
         code = str(status)

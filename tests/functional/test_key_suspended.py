@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from dataplane.http.refusals import refusals
+from dataplane.http.state import METRICS
 from ponto.originsim.app import SimConfig
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_model_access import NARROW, OTHER, apply
@@ -124,3 +126,22 @@ async def test_a_suspended_tenant_is_said_before_a_suspended_key(stack: Stack) -
     apply(stack, 5, tenants("acme"), keys())
     resp = await stack.post(chat("hi"), key=KEY.key)
     assert error_of(await resp.json())["code"] == "tenant_suspended"
+
+
+async def test_a_deleted_tenants_series_leave_the_metrics_with_it(stack: Stack) -> None:
+    """Trial 68: a deleted tenant's requests and tokens were exported until
+    the proxy restarted, two series per deleted tenant per proxy for good."""
+
+    def tenants_exported() -> set[str]:
+        text = generate_latest(stack.app[METRICS].registry).decode()
+        return {
+            line.split('tenant="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith(("ponto_tenant_requests_total{", "ponto_tenant_tokens_total{"))
+        }
+
+    assert (await stack.post(chat("hi"), key=OTHER.key)).status == 200
+    assert (await stack.post(chat("hi"), key=KEY.key)).status == 403  # suspended: counted too
+    assert tenants_exported() == {"acme", "beta"}
+    apply(stack, 4, tenants()[:1], keys(KEY.key_id)[:2])  # beta and its key deleted
+    assert tenants_exported() == {"acme"}
