@@ -37,7 +37,8 @@ COPY controlplane controlplane
 COPY dataplane dataplane
 COPY ponto ponto
 ARG BUILD_COMMIT=""
-RUN if [ -n "$BUILD_COMMIT" ]; then echo "$BUILD_COMMIT" > ponto/_build.txt; fi \
+RUN if [ -n "$BUILD_COMMIT" ]; then echo "$BUILD_COMMIT" > ponto/_build.txt; \
+    else rm -f ponto/_build.txt; fi \
     && pip wheel --no-deps --wheel-dir /wheels . \
     && python -m venv /opt/ponto \
     && /opt/ponto/bin/pip install --no-index --find-links /wheels ponto \

@@ -2613,6 +2613,13 @@ def _refused(
             detail += f"; check the admin token in {options.token_source or 'use'}"
         else:
             detail += "; give the admin token with --admin-token-file (or PONTO_ADMIN_TOKEN_FILE)"
+    elif code == grpc.StatusCode.UNIMPLEMENTED and "unknown service" in detail:
+        # No Admin API at all (review: etcd's port, or a proxy's, was read
+        # as an older control plane).
+        detail = (
+            f"{address} does not serve Ponto's Admin API ({detail}): is it the control "
+            "plane's gRPC port (not etcd's, not a proxy's)?"
+        )
     elif code == grpc.StatusCode.UNIMPLEMENTED:
         # A call this pontoctl knows and the replica's Admin API does not: a
         # replica older than the command (one call of a rolling upgrade may

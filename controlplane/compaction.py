@@ -77,6 +77,10 @@ class Compactor:
         log.warning("etcd history not compacted (tried again in %g s): %s", self.interval, exc)
 
     async def run(self) -> None:
+        # A term of its own: what was read in an earlier term (leadership
+        # lost and won back within seconds) would be compacted to at once,
+        # far less than one interval back (review).
+        self._previous = 0
         while True:
             await self.once()
             await self._sleep(self.interval)

@@ -554,7 +554,14 @@ def encode_over(value: Any, stored: bytes | None) -> bytes:
     rolling upgrade (a drain, a change of cache TTL) must not erase the
     settings a newer replica wrote (trial 69: an older replica un-suspended a
     tenant for good, and dropped its budgets and model list). A stored value
-    that is not a JSON object keeps nothing."""
+    that is not a JSON object keeps nothing.
+
+    What this asks of every later version (review): a stored field is never
+    renamed or given a new meaning (an older replica would write the old name
+    beside a stale copy of the new one), and a rule tying a new field to
+    older ones is settled by precedence when the record is read, never by
+    refusing it (an older replica changes the older fields without knowing
+    the rule, and a refused record takes its tenant or origin away)."""
     new = asdict(value)
     if stored:
         try:

@@ -33,7 +33,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "build $IMAGE"
-docker build -t "$IMAGE" .
+docker build --build-arg BUILD_COMMIT="$(git rev-parse HEAD 2>/dev/null)" -t "$IMAGE" .
 step "kind cluster $CLUSTER"
 if ! kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
     kind create cluster --name "$CLUSTER" --wait 120s

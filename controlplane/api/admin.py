@@ -586,8 +586,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         old_proxies = sorted(p.name for p in proxies if feature not in p.features)
         if old_proxies:
             found.append(
-                f"proxies {', '.join(old_proxies)} are of a build without {feature} "
-                f"(pontoctl get proxies, VERSION): they {meanwhile} until upgraded"
+                f"proxies {', '.join(old_proxies)} are of a build without {feature}, or "
+                f"registered through a replica of one (pontoctl get proxies, VERSION): "
+                f"they {meanwhile} until upgraded"
             )
         old_replicas = sorted(
             str(r.get("id", "?"))

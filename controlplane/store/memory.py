@@ -48,6 +48,9 @@ class MemoryStore:
         # (revision, key) of each change, for watchers that fall behind.
         self._history: list[tuple[int, str]] = []
         self._compacted = 0  # history up to here is gone (compact)
+        # Each key's last change dropped by a compaction: a watch that had
+        # not read it yet still learns of it.
+        self._lost: dict[str, int] = {}
         self.available = True  # tests flip this to simulate an outage
 
     def _check(self) -> None:
@@ -223,6 +226,7 @@ class MemoryStore:
         self._revision = snapshot.revision
         self._history = list(snapshot.history)
         self._compacted = 0  # the restored store's history is the snapshot's
+        self._lost = {}
         self._notify()
 
     async def compact(self, revision: int) -> None:
@@ -230,21 +234,39 @@ class MemoryStore:
         if revision > self._revision:
             raise StoreUnavailable(f"revision {revision} is a future revision")
         self._compacted = max(self._compacted, revision)
-        self._history = [(r, k) for r, k in self._history if r > self._compacted]
+        kept = []
+        for r, k in self._history:
+            if r > self._compacted:
+                kept.append((r, k))
+            else:
+                self._lost[k] = max(r, self._lost.get(k, 0))
+        self._history = kept
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
         # 0 means from now on, as in etcd.
         seen = start_revision or self._revision
+        if seen < self._compacted:
+            # From a revision compacted away: told so at once, as etcd's
+            # compact_revision does, and watched from now.
+            seen = self._revision
+            yield seen
         while True:
-            # Restored (the revision went back), or compacted past where it
-            # watches from (as etcd's compact_revision): said once, then
-            # watched from there.
-            went_back = self._revision < seen or seen < self._compacted
+            # Restored (the revision went back): said once, then watched from
+            # there. A change under the prefix since `seen` is in the history,
+            # or compacted out of it before this watch read it (_lost).
+            went_back = self._revision < seen
             history = reversed(self._history)
-            if went_back or any(r > seen and k.startswith(prefix) for r, k in history):
+            if (
+                went_back
+                or any(r > seen and k.startswith(prefix) for r, k in history)
+                or any(r > seen and k.startswith(prefix) for k, r in self._lost.items())
+            ):
                 seen = self._revision
                 yield seen
             else:
+                # Nothing under the prefix up to now: up to date, as a
+                # running etcd watch is, whatever is compacted after this.
+                seen = self._revision
                 await self._changed.wait()
 
     async def close(self) -> None:

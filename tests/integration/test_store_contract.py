@@ -444,6 +444,34 @@ async def test_a_watch_from_before_a_compaction_is_told_to_read_again(
         await watcher.close()
 
 
+async def test_an_up_to_date_watch_is_not_woken_by_a_compaction(store: StateStore) -> None:
+    """A watch whose prefix is quiet while others change is up to date, not
+    behind: a compaction of the others' history leaves it waiting (review:
+    the memory store told it to re-read)."""
+    watcher = Watcher(store, P + "quiet/", 0)
+    try:
+        await store.put(P + "busy/1", b"1")
+        await asyncio.sleep(0.05)  # the watch has seen that revision go by
+        await store.compact(await store.put(P + "busy/2", b"2"))
+        await store.put(P + "busy/3", b"3")
+        assert await watcher.silent_for(SHORT)
+    finally:
+        await watcher.close()
+
+
+async def test_a_change_compacted_before_a_running_watch_read_it_is_still_told(
+    store: StateStore,
+) -> None:
+    watcher = Watcher(store, P + "w/", 0)
+    try:
+        await asyncio.sleep(0.05)  # the watch is running
+        rev = await store.put(P + "w/1", b"1")
+        await store.compact(rev)  # before the watch's task ran again
+        assert await watcher.next(LONG) >= rev
+    finally:
+        await watcher.close()
+
+
 async def test_watch_from_zero_starts_now(store: StateStore) -> None:
     """Revision 0 means "from now on" (EtcdStore.watch); history is not replayed.
 

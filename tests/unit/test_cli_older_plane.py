@@ -268,6 +268,21 @@ def test_a_call_the_control_plane_lacks_says_it_is_older_than_the_command(
     assert _command(_parser().parse_args(["get", "audit", "--action", "PutRegion"])) == "get audit"
 
 
+def test_an_address_without_the_admin_api_is_not_called_an_older_control_plane(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: pontoctl aimed at etcd's port said the control plane there was
+    older than the command."""
+    refusal = Refusal(grpc.StatusCode.UNIMPLEMENTED, "unknown service ponto.v1.Admin")
+    assert _refused(refusal, "127.0.0.1:2379", ClientOptions(), command="get proxies") == 1
+    said = capsys.readouterr().err
+    assert said.startswith(
+        "error: 127.0.0.1:2379 does not serve Ponto's Admin API (unknown service "
+        "ponto.v1.Admin): is it the control plane's gRPC port"
+    )
+    assert "older" not in said
+
+
 # ------------------------------------------------ fields pontoctl does not know
 
 

@@ -63,6 +63,22 @@ async def test_a_failed_compaction_is_logged_and_tried_at_the_next_interval(
     assert store.compactions
 
 
+async def test_a_new_term_compacts_nothing_read_in_the_last_one() -> None:
+    """Leadership lost and won back within seconds: what the last term read
+    is not compacted to at once, far less than one interval back (review)."""
+    store = Recording()
+
+    async def sleep(seconds: float) -> None:
+        raise asyncio.CancelledError  # the term ends after its first interval
+
+    compactor = Compactor(store, 60, sleep=sleep)
+    for term in range(2):
+        await store.put("/a", str(term).encode())
+        with pytest.raises(asyncio.CancelledError):
+            await compactor.run()
+    assert store.compactions == []
+
+
 async def test_run_sleeps_the_interval_between_compactions() -> None:
     store = Recording()
     slept: list[float] = []

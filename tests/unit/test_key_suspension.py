@@ -206,8 +206,9 @@ async def test_suspending_warns_of_the_processes_of_a_build_without_it() -> None
             stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=True))
         )
         assert [w for w in said if KEY_SUSPENSION in w] == [
-            f"proxies p-old are of a build without {KEY_SUSPENSION} (pontoctl get proxies, "
-            "VERSION): they serve the key's callers until upgraded",
+            f"proxies p-old are of a build without {KEY_SUSPENSION}, or registered through a "
+            "replica of one (pontoctl get proxies, VERSION): they serve the key's callers "
+            "until upgraded",
             f"control-plane replicas cp-old are of a build without {KEY_SUSPENSION} (pontoctl "
             "get controlplanes, VERSION): while one of them leads, the tables lack it and every "
             "proxy does the same",
