@@ -50,7 +50,7 @@ class MemoryStore:
         self._compacted = 0  # history up to here is gone (compact)
         # Each key's last change dropped by a compaction: a watch that had
         # not read it yet still learns of it.
-        self._lost: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
         self.available = True  # tests flip this to simulate an outage
 
     def _check(self) -> None:
@@ -226,7 +226,7 @@ class MemoryStore:
         self._revision = snapshot.revision
         self._history = list(snapshot.history)
         self._compacted = 0  # the restored store's history is the snapshot's
-        self._lost = {}
+        self._dropped = {}
         self._notify()
 
     async def compact(self, revision: int) -> None:
@@ -239,7 +239,7 @@ class MemoryStore:
             if r > self._compacted:
                 kept.append((r, k))
             else:
-                self._lost[k] = max(r, self._lost.get(k, 0))
+                self._dropped[k] = max(r, self._dropped.get(k, 0))
         self._history = kept
 
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[int]:
@@ -253,13 +253,13 @@ class MemoryStore:
         while True:
             # Restored (the revision went back): said once, then watched from
             # there. A change under the prefix since `seen` is in the history,
-            # or compacted out of it before this watch read it (_lost).
+            # or compacted out of it before this watch read it (_dropped).
             went_back = self._revision < seen
             history = reversed(self._history)
             if (
                 went_back
                 or any(r > seen and k.startswith(prefix) for r, k in history)
-                or any(r > seen and k.startswith(prefix) for k, r in self._lost.items())
+                or any(r > seen and k.startswith(prefix) for k, r in self._dropped.items())
             ):
                 seen = self._revision
                 yield seen
