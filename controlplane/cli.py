@@ -93,6 +93,7 @@ from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
+from ponto.version import software_version
 
 ENV_ADDRESS = "PONTO_CONTROL_PLANE"
 
@@ -576,6 +577,9 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pontoctl", description="Operate a Ponto fleet")
+    # This build (ponto.version), as `get proxies` and `get controlplanes`
+    # show the fleet's (trial 70: the upgrade docs ask for matching builds).
+    p.add_argument("--version", action="version", version=f"%(prog)s {software_version()}")
     p.add_argument(
         "--control-plane",
         type=_addresses,
@@ -2333,8 +2337,9 @@ def _suspend(stub: Any, key_id: str, suspended: bool) -> str:
     current = next((k for k in before.keys if k.id == key_id), None)
     k = stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=suspended))
     if current is not None and current.suspended == suspended:
-        state = "suspended" if suspended else "not suspended"
-        return f"key {k.id} of tenant {k.tenant} was already {state}: nothing changed"
+        if suspended:
+            return f"key {k.id} of tenant {k.tenant} was already suspended: nothing changed"
+        return f"key {k.id} of tenant {k.tenant} was not suspended: nothing changed"
     if suspended:
         return (
             f"key {k.id} of tenant {k.tenant} suspended: proxies refuse its callers "
@@ -2345,6 +2350,16 @@ def _suspend(stub: Any, key_id: str, suspended: bool) -> str:
         return (
             f"key {k.id} of tenant {k.tenant} resumed, but it expired {utc(k.expires_at)}: "
             f"proxies refuse it as expired (`pontoctl key expire {k.id} --in ...` or --never)"
+        )
+    tenant = next(
+        (t for t in stub.ListTenants(apb.ListRequest()).tenants if t.name == k.tenant), None
+    )
+    if tenant is not None and tenant.suspended:
+        # Trial 70: "resumed", exit 0, and its callers still refused.
+        return (
+            f"key {k.id} of tenant {k.tenant} resumed, but its tenant is suspended: proxies "
+            f"refuse its callers (403 tenant_suspended) until `pontoctl tenant set {k.tenant} "
+            "--suspended off`"
         )
     return f"key {k.id} of tenant {k.tenant} resumed"
 

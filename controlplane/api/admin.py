@@ -564,7 +564,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> apb.ApiKeyInfo:
         saved, changed = await self._catalog.set_key_suspended(request.id, request.suspended)
         auditing.note(changes=auditing.suspension_changes(request.suspended, changed))
-        if request.suspended:
+        if request.suspended and changed:
             await self._warn(
                 context,
                 self._lacking(KEY_SUSPENSION, "serve the key's callers"),
@@ -659,6 +659,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     started_at=float(r.get("started_at", 0.0)),  # type: ignore[arg-type]
                     leader=r.get("id") == leader,
                     version=str(r.get("version", "")),
+                    features=[str(f) for f in listed]
+                    if isinstance(listed := r.get("features"), list)
+                    else [],
                 )
                 for r in sorted(replicas, key=lambda r: str(r.get("id", "")))
             ],

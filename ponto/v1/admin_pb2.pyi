@@ -1014,6 +1014,7 @@ class ControlPlaneInfo(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     address: _builtins.str
     """Address the replica serves gRPC on, as it sees it."""
@@ -1024,6 +1025,12 @@ class ControlPlaneInfo(_message.Message):
     """The replica's software version (ponto.version: 0.1.0+COMMIT); empty for
     a replica older than the field.
     """
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the replica compiles of the settings only some builds know
+        (ponto/features.py); none from a build older than the list.
+        """
+
     def __init__(
         self,
         *,
@@ -1032,10 +1039,11 @@ class ControlPlaneInfo(_message.Message):
         started_at: _builtins.float = ...,
         leader: _builtins.bool = ...,
         version: _builtins.str = ...,
+        features: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "id", b"id", "leader", b"leader", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "features", b"features", "id", b"id", "leader", b"leader", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

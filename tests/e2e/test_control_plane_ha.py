@@ -73,6 +73,7 @@ def test_replicas_are_listed_with_one_leader(fleet: Fleet) -> None:
     assert [r.id for r in resp.replicas if r.leader] == [resp.leader]
     # Each says its build (trial 69: a rolling upgrade could not be followed).
     assert {r.version for r in resp.replicas} == {software_version()}
+    assert all(tuple(r.features) == FEATURES for r in resp.replicas)
     proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
     assert proxies and {p.info.version for p in proxies} == {software_version()}
     # And what they enforce of the settings only some builds know.

@@ -115,6 +115,13 @@ class Stub:
         self.key.suspended = req.suspended
         return self.key
 
+    tenant_suspended = False
+
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(
+            tenants=[pb.Tenant(name="acme", suspended=self.tenant_suspended)]
+        )
+
 
 def pontoctl(stub: Any, *argv: str) -> str:
     return run(_parser().parse_args(list(argv)), stub)
@@ -134,7 +141,17 @@ def test_pontoctl_suspends_and_resumes_and_says_what_proxies_do() -> None:
     )
     assert pontoctl(stub, "key", "resume", "abcdefghij") == "key abcdefghij of tenant acme resumed"
     assert pontoctl(stub, "key", "resume", "abcdefghij") == (
-        "key abcdefghij of tenant acme was already not suspended: nothing changed"
+        "key abcdefghij of tenant acme was not suspended: nothing changed"
+    )
+
+
+def test_resuming_a_key_of_a_suspended_tenant_says_its_callers_are_still_refused() -> None:
+    """Trial 70: "resumed", exit 0, and the client still got 403 tenant_suspended."""
+    stub = Stub(apb.ApiKeyInfo(id="abcdefghij", tenant="acme", suspended=True))
+    stub.tenant_suspended = True
+    assert pontoctl(stub, "key", "resume", "abcdefghij") == (
+        "key abcdefghij of tenant acme resumed, but its tenant is suspended: proxies refuse "
+        "its callers (403 tenant_suspended) until `pontoctl tenant set acme --suspended off`"
     )
 
 
@@ -213,6 +230,11 @@ async def test_suspending_warns_of_the_processes_of_a_build_without_it() -> None
             "get controlplanes, VERSION): while one of them leads, the tables lack it and every "
             "proxy does the same",
         ]
+        # Suspending it again changes nothing, and says nothing of builds.
+        said = await warned(
+            stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=True))
+        )
+        assert not [w for w in said if KEY_SUSPENSION in w]
         # Resuming needs no build: an older process never refused the key.
         said = await warned(
             stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=False))

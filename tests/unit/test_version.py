@@ -5,11 +5,14 @@ from the image's build file, else from the git checkout it runs from."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from controlplane.cli import _rows_proxies, _rows_replicas
+from controlplane import settings as control_settings
+from controlplane.cli import _parser, _rows_proxies, _rows_replicas
+from dataplane import settings as proxy_settings
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from ponto.version import build_commit, software_version
@@ -79,3 +82,26 @@ def test_get_proxies_and_get_controlplanes_show_each_version() -> None:
     header, rows = _rows_replicas(replicas)
     column = header.index("VERSION")
     assert [r[column] for r in rows] == ["0.1.0+3f2a9c1d04b7", "?"]
+
+
+def _pontoctl(argv: list[str]) -> object:
+    return _parser().parse_args(argv)
+
+
+def _control(argv: list[str]) -> object:
+    return control_settings.parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("name", "parse"),
+    [("pontoctl", _pontoctl), ("ponto-control", _control), ("ponto-proxy", proxy_settings.parse)],
+)
+def test_each_command_says_its_build(
+    name: str, parse: Callable[[list[str]], object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 70: the upgrade docs ask for a pontoctl of the control plane's
+    build, and `--version` was an error."""
+    with pytest.raises(SystemExit) as done:
+        parse(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"{name} {software_version()}\n"
