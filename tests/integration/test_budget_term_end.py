@@ -10,9 +10,7 @@ the election revokes the lease and the store closes (ControlPlane._lead)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -31,16 +29,6 @@ pytestmark = pytest.mark.integration
 
 WAIT = 10.0  # generous: a shared 2-core machine
 SCOPE = "t/acme"
-
-
-@pytest.fixture
-def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
-    """The session etcd, wiped (as tests/integration/test_load_push.py)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
-    return endpoint
 
 
 async def until(check: Callable[[], Awaitable[object]], expected: object, what: str) -> None:

@@ -6,9 +6,7 @@ this process, leading alone; etcdctl reads what etcd kept."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import subprocess
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,16 +18,6 @@ from ponto.devenv import find_etcd
 from tests.conftest import EtcdEndpoint
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
-    """The session etcd, wiped (tests/integration/test_load_push.py)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
-    return endpoint
 
 
 def etcdctl(endpoint: EtcdEndpoint, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import statistics
 import time
-import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -38,17 +36,6 @@ pytestmark = pytest.mark.integration
 INTERVAL_MS = 100
 WAIT = 10.0  # generous: a shared 2-core machine, etcd and gRPC on loopback
 MODEL = "sim-small"
-
-
-@pytest.fixture
-def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
-    """The session etcd, wiped; docker-py's leaked probe socket is collected here
-    (see tests/integration/test_store_contract.py)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
-    return endpoint
 
 
 @dataclass

@@ -10,8 +10,6 @@ publishes: what the proxies would route by.
 from __future__ import annotations
 
 import asyncio
-import gc
-import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -30,17 +28,6 @@ pytestmark = pytest.mark.integration
 
 WAIT = 10.0  # generous: a shared 2-core machine, etcd on loopback
 MODEL = "llama3"
-
-
-@pytest.fixture
-def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
-    """The session etcd, wiped; docker-py's leaked probe socket is collected here
-    (see tests/integration/test_store_contract.py)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
-    return endpoint
 
 
 @dataclass

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -48,27 +47,6 @@ pytestmark = pytest.mark.integration
 P = "/contract/"  # every key of this module lives under here
 SHORT = 0.3  # how long "nothing happens" is observed
 LONG = 5.0  # upper bound for something that must happen
-
-
-@pytest.fixture
-def etcd_endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint:
-    """The session etcd, wiped (clean_etcd).
-
-    Resolved lazily so that the memory variant never starts etcd. Sync on
-    purpose: an async fixture cannot resolve another async fixture from inside
-    the running loop.
-
-    Starting the session etcd probes for Docker first (tests/conftest.py), and
-    docker-py leaks a unix socket when no engine answers; the socket sits in a
-    reference cycle, and its ResourceWarning would fail (filterwarnings=error)
-    whichever test the garbage collector happens to run in. It is collected
-    here, with that one warning ignored.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        endpoint: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
-    return endpoint
 
 
 @pytest.fixture(params=["memory", "etcd", "rebased-memory", "rebased-etcd"])
