@@ -93,7 +93,7 @@ from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
-from ponto.version import software_version
+from ponto.version import add_version_flag
 
 ENV_ADDRESS = "PONTO_CONTROL_PLANE"
 
@@ -577,9 +577,7 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pontoctl", description="Operate a Ponto fleet")
-    # This build (ponto.version), as `get proxies` and `get controlplanes`
-    # show the fleet's (trial 70: the upgrade docs ask for matching builds).
-    p.add_argument("--version", action="version", version=f"%(prog)s {software_version()}")
+    add_version_flag(p)
     p.add_argument(
         "--control-plane",
         type=_addresses,

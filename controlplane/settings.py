@@ -17,7 +17,7 @@ from ponto import tlsfiles
 from ponto.cliargs import finite_float, hostport, listen_address, path
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secrets
 from ponto.originca import origin_ca_flag
-from ponto.version import software_version
+from ponto.version import add_version_flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,7 @@ def parser() -> argparse.ArgumentParser:
     --help, as ponto-proxy's do (`%(default)s`); one whose default is "" or
     unset says what that means instead, where it is not plain."""
     p = argparse.ArgumentParser(prog="ponto-control", description="Ponto control plane")
-    # This build (ponto.version), as `get proxies` and `get controlplanes`
-    # show the fleet's (trial 70: the upgrade docs ask for matching builds).
-    p.add_argument("--version", action="version", version=f"%(prog)s {software_version()}")
+    add_version_flag(p)
     p.add_argument(
         "--etcd",
         default="http://127.0.0.1:2379",

@@ -25,7 +25,7 @@ from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QU
 from ponto.cliargs import finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
-from ponto.version import software_version
+from ponto.version import add_version_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 MAX_ENTRY_KB = 1 << 20  # --cache-max-entry-kb: 1 GB, past any cache bound given
@@ -186,9 +186,7 @@ def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:
 
 def parse(argv: list[str]) -> Settings:
     p = argparse.ArgumentParser(prog="ponto-proxy", description="Ponto edge proxy (data plane)")
-    # This build (ponto.version), as `get proxies` and `get controlplanes`
-    # show the fleet's (trial 70: the upgrade docs ask for matching builds).
-    p.add_argument("--version", action="version", version=f"%(prog)s {software_version()}")
+    add_version_flag(p)
     p.add_argument(
         "--control-plane",
         default="127.0.0.1:7070",

@@ -17,6 +17,7 @@ as a PEP 440 local label, `0.1.0+3f2a9c1d04b7`:
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from ponto.release import installed_version
 
-__all__ = ["software_version"]
+__all__ = ["add_version_flag", "software_version"]
 
 _PACKAGE = Path(__file__).resolve().parent
 BUILD_FILE = _PACKAGE / "_build.txt"
@@ -66,3 +67,31 @@ def build_commit(build_file: Path = BUILD_FILE, tree: Path = _PACKAGE.parent) ->
         return ""
     found = done.stdout.strip().lower()
     return found if done.returncode == 0 and _COMMIT.fullmatch(found) else ""
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: says `PROG VERSION` and exits 0, reading the build only
+    when asked (argparse's own version action takes the string when the
+    parser is built: a `git rev-parse` for every pontoctl command)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        # On stdout, as argparse's own version action writes it.
+        print(f"{parser.prog} {software_version()}")  # noqa: T201
+        parser.exit()
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    """Give `parser` a `--version` that says this build (software_version),
+    as `pontoctl get proxies` and `get controlplanes` show the fleet's
+    (trial 70: the upgrade docs ask for a pontoctl of the control plane's
+    build)."""
+    parser.add_argument(
+        "--version", action=_VersionAction, nargs=0, default=argparse.SUPPRESS,
+        help="say this build's version (0.1.0+COMMIT) and exit",
+    )  # fmt: skip

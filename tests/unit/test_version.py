@@ -105,3 +105,12 @@ def test_each_command_says_its_build(
         parse(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"{name} {software_version()}\n"
+
+
+def test_a_command_without_version_does_not_read_the_build() -> None:
+    """The build is read (a `git rev-parse` in a checkout) only when asked:
+    not for every pontoctl command."""
+    software_version.cache_clear()
+    _pontoctl(["get", "proxies"])
+    _control([])
+    assert software_version.cache_info().currsize == 0
