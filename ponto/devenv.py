@@ -319,6 +319,8 @@ def start_etcd(
     binary = find_etcd()
     client_port = client_port or free_port()
     peer_port = peer_port or free_port()
+    while peer_port == client_port:  # two random picks may meet (CI did once)
+        peer_port = free_port()
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="etcd-", dir=workdir))
     scheme = "https" if tls else "http"
     clients = [f"{scheme}://{_url_host(host)}:{client_port}" for host in hosts]
