@@ -660,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
     fixed = fixed_ports(args.port_base)
     if isinstance(fixed, str):
         p.error(fixed)
+    proxy_ports, control_port, status_port = fixed
+    own_port = args.port_base + 5 if args.port_base is not None else 0
+    # etcd and Redis pick free ports of their own while these wait their turn.
+    devenv.reserve_ports((*proxy_ports, control_port, status_port, own_port))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ponto-demo-"))
     # Until run_supervised owns the signals, SIGTERM stops the demo as Ctrl-C
     # does: through the clean-up below, leaving no process behind.
@@ -679,7 +683,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{proxies} proxies…",
             flush=True,
         )
-        proxy_ports, control_port, status_port = fixed
         if args.check:
             # Free ports of any number, unless --port-base says which.
             chosen = args.port_base is not None
@@ -702,7 +705,6 @@ def main(argv: list[str] | None = None) -> int:
             status_port=status_port,
             regional_cache=regional,
         )
-        own_port = args.port_base + 5 if args.port_base is not None else 0
         print(banner(fleet, logs_removed=args.workdir is None, own_port=own_port), flush=True)
         run_supervised(fleet)
         print("\nstopping…", flush=True)

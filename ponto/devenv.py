@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -67,6 +67,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(_OWN_PORTS_LOW, low)  # noqa: S311 (not a secret)
+        if port in _reserved:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
@@ -81,6 +83,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # Ports below this are left to services people run on their machines.
 _OWN_PORTS_LOW = 20000
+
+# Ports this process has promised to servers it has yet to start.
+_reserved: set[int] = set()
+
+
+def reserve_ports(ports: Iterable[int]) -> None:
+    """Keep `free_port` from picking `ports` in this process: ports the caller
+    will give to servers of its own later, such as the demo's --port-base
+    block, free when checked but not yet listened on (CI once saw the demo's
+    etcd or Redis take the block's second port before its proxy bound it)."""
+    _reserved.update(port for port in ports if port)
 
 
 def _ephemeral_low() -> int:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
+from ponto import devenv
 from ponto.devenv import _ephemeral_low, free_port
 
 
@@ -24,3 +27,14 @@ def test_a_port_someone_listens_on_is_not_given() -> None:
         held.listen()
         taken = held.getsockname()[1]
         assert all(free_port() != taken for _ in range(200))
+
+
+def test_a_reserved_port_is_never_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo reserves its --port-base block while etcd and Redis pick theirs."""
+    monkeypatch.setattr(devenv, "_reserved", set())
+    low = _ephemeral_low()
+    kept = set(range(20000, low - 100))  # all but the range's last 100
+    devenv.reserve_ports([*kept, 0])
+    picks = {free_port() for _ in range(50)}
+    assert not picks & kept
+    assert 0 not in devenv._reserved
