@@ -1003,7 +1003,12 @@ def _parser() -> argparse.ArgumentParser:
         "--since", type=_duration, default=None, metavar="DURATION", help="e.g. 90s, 30m, 2h, 7d"
     )
     audit.add_argument("--action", default="", help="only this call, e.g. DrainRegion")
-    audit.add_argument("--actor", default="", help="only this actor, e.g. admin-token")
+    audit.add_argument(
+        "--actor",
+        default="",
+        help="only this actor: a client certificate's name (the demo's: ponto-admin), "
+        "admin-token or anonymous",
+    )
 
     drain_help = {
         "drain": "A drained region or origin gets no new requests (streams under way finish); "
