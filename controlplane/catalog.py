@@ -65,6 +65,7 @@ from controlplane.model import (
     access_warnings,
     check_model_names,
     check_name,
+    check_note,
     decode_health,
     decode_id_keys,
     decode_key,
@@ -135,6 +136,8 @@ CONFLICT_SHOWN_S = 75.0
 CAS_ATTEMPTS = 8
 # The latest key expiry taken (year 9999): later is a mistake, not a time.
 MAX_EXPIRY = 253402300799.0
+# The longest reason a key's suspension keeps (SetKeySuspendedRequest.reason).
+MAX_REASON = 200
 _PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
 T = TypeVar("T")
@@ -827,26 +830,52 @@ class Catalog:
             key_id, "its models cannot change", seen=seen, models=names
         )
 
-    async def set_key_suspended(self, key_id: str, suspended: bool) -> tuple[ApiKeyRecord, bool]:
+    async def set_key_suspended(
+        self, key_id: str, suspended: bool, reason: str = ""
+    ) -> tuple[ApiKeyRecord, ApiKeyRecord | None]:
         """Suspend key `key_id` (proxies refuse its callers, 403
         api_key_suspended) or resume it, keeping all else it has (its limits,
         what its budgets spent, models, expiry): what `key revoke` cannot
         undo, for a key suspected leaked or a caller to stop for a while. The
-        key now, and whether it was written: one that already is what was
-        asked is left unwritten. A revoked key is refused (FailedPrecondition),
-        an unknown one NotFound."""
+        key now, and as it was before this call wrote it (None: not written,
+        it already was what was asked). A revoked key is refused
+        (FailedPrecondition), an unknown one NotFound.
+
+        A suspension keeps `reason` (at most MAX_REASON printable characters,
+        else InvalidArgument) and this replica's time; suspending a suspended
+        key with another reason replaces the reason only, and without one
+        changes nothing. Resuming clears both (`reason` is then the audit
+        entry's alone)."""
+        reason = check_note("a suspension's reason", reason)
+        if len(reason) > MAX_REASON:
+            raise InvalidArgument(f"a suspension's reason is longer than {MAX_REASON} characters")
+        read: list[ApiKeyRecord] = []  # the key as the last attempt read it
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord | None:
+            read[:] = [k]
             if k.revoked:
                 raise FailedPrecondition(
                     f"key {key_id!r} is revoked: its callers are refused for good, "
                     "it cannot be suspended or resumed"
                 )
-            return None if k.suspended == suspended else replace(k, suspended=suspended)
+            if not suspended:
+                return (
+                    replace(k, suspended=False, suspended_reason="", suspended_at=0.0)
+                    if (k.suspended)
+                    else None
+                )
+            if not k.suspended:
+                return replace(
+                    k, suspended=True, suspended_reason=reason, suspended_at=self._clock()
+                )
+            if reason and reason != k.suspended_reason:
+                return replace(k, suspended_reason=reason)
+            return None
 
-        return await self._update_if(
+        now, written = await self._update_if(
             KEYS + _key_id(key_id), decode_key, change, f"key {key_id!r} not found"
         )
+        return now, read[0] if written else None
 
     async def key_model_warnings(self, key: ApiKeyRecord) -> tuple[str, ...]:
         """model.access_warnings of key against its tenant and the origins

@@ -896,14 +896,22 @@ def _parser() -> argparse.ArgumentParser:
     key.add_parser("revoke", help="revoke a key by its id").add_argument(
         "id", help="the key's id (key list)"
     )
-    key.add_parser(
+    ks = key.add_parser(
         "suspend",
         help="refuse a key's callers (403 api_key_suspended) until it is resumed, keeping its "
         "limits, spend, models and expiry (a revoke cannot be undone)",
-    ).add_argument("id", help="the key's id (key list)")
-    key.add_parser("resume", help="serve a suspended key's callers again").add_argument(
-        "id", help="the key's id (key list)"
     )
+    ks.add_argument("id", help="the key's id (key list)")
+    ks.add_argument(
+        "--reason",
+        default="",
+        help="why, for operators: `key list` shows it while the key is suspended, and the "
+        "audit trail keeps it (never sent to the key's callers); given again, it replaces "
+        "the reason of a suspended key",
+    )
+    kr = key.add_parser("resume", help="serve a suspended key's callers again")
+    kr.add_argument("id", help="the key's id (key list)")
+    kr.add_argument("--reason", default="", help="why, for the audit trail")
     ke = key.add_parser(
         "expire", help="make a key expire (to rotate it: create its successor, then expire it)"
     )
@@ -1530,7 +1538,9 @@ def _spent_per_key(data: dict[str, Any]) -> dict[str, Any]:
 
 def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     """keys as output asks; a table marks the keys of deleted tenants and the
-    unserved models on keys' lists (with the note that says why)."""
+    unserved models on keys' lists (with the note that says why), and says
+    under it since when and why each suspended key is (free text: no column
+    of its own, which awk and cut would split)."""
     if output != "table":
         return render(keys, output, _rows_keys, functools.partial(_keys_shown, keys))
     tenants = {t.name: t for t in stub.ListTenants(apb.ListRequest()).tenants}
@@ -1538,7 +1548,15 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     shown = render(keys, output, lambda r: _rows_keys(r, tenants, served))
     marks = {_key_mark(tenants.get(k.tenant), m, served) for k in keys.keys for m in k.models}
     notes = ((UNSERVED, UNSERVED_NOTE), (OFF_TENANT, OFF_TENANT_NOTE))
-    return "\n".join([shown, *(note for mark, note in notes if mark in marks)])
+    suspensions = [_suspension_note(k) for k in keys.keys if k.suspended and not k.revoked]
+    return "\n".join([shown, *(note for mark, note in notes if mark in marks), *suspensions])
+
+
+def _suspension_note(k: apb.ApiKeyInfo) -> str:
+    """A suspended key's line under `key list`: since when (unknown to a
+    control plane older than reasons) and why."""
+    since = f" since {utc(k.suspended_at)}" if k.suspended_at else ""
+    return f"key {k.id} suspended{since}: {k.suspended_reason or 'no reason given'}"
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
@@ -2167,7 +2185,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             shown = ", ".join(k.models) if k.models else f"those of tenant {k.tenant}"
             return f"key {k.id} of tenant {k.tenant} may name models: {shown}"
         if args.action in ("suspend", "resume"):
-            return _suspend(stub, args.id, args.action == "suspend")
+            return _suspend(stub, args.id, args.action == "suspend", args.reason)
         if args.action == "expire":
             k = stub.SetKeyExpiry(
                 apb.SetKeyExpiryRequest(id=args.id, expires_in_s=args.expires_in or 0.0)
@@ -2333,21 +2351,30 @@ def _revoke(stub: Any, key_id: str) -> str:
     return f"key {k.id} of tenant {k.tenant} revoked"
 
 
-def _suspend(stub: Any, key_id: str, suspended: bool) -> str:
+def _suspend(stub: Any, key_id: str, suspended: bool, reason: str = "") -> str:
     """Suspend or resume key `key_id`, saying what the proxies do now. A
-    control plane older than suspension has no such call: UNIMPLEMENTED."""
+    control plane older than suspension has no such call: UNIMPLEMENTED; one
+    older than reasons drops a suspension's reason (NOT SAVED: reason)."""
     before = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
     current = next((k for k in before.keys if k.id == key_id), None)
-    k = stub.SetKeySuspended(apb.SetKeySuspendedRequest(id=key_id, suspended=suspended))
+    asked = apb.SetKeySuspendedRequest(id=key_id, suspended=suspended, reason=reason)
+    k = stub.SetKeySuspended(asked)
+    lost = ("reason",) if suspended and reason and not k.suspended_reason else ()
     if current is not None and current.suspended == suspended:
+        if suspended and reason and current.suspended_reason != k.suspended_reason:
+            return Shown(f"key {k.id} of tenant {k.tenant} was suspended: reason now {reason!r}")
         if suspended:
-            return f"key {k.id} of tenant {k.tenant} was already suspended: nothing changed"
+            return Shown(
+                f"key {k.id} of tenant {k.tenant} was already suspended: nothing changed", lost
+            )
         return f"key {k.id} of tenant {k.tenant} was not suspended: nothing changed"
     if suspended:
-        return (
-            f"key {k.id} of tenant {k.tenant} suspended: proxies refuse its callers "
+        because = f" ({k.suspended_reason})" if k.suspended_reason else ""
+        return Shown(
+            f"key {k.id} of tenant {k.tenant} suspended{because}: proxies refuse its callers "
             f"(403 api_key_suspended) once they take the next table; `pontoctl key resume "
-            f"{k.id}` serves them again"
+            f"{k.id}` serves them again",
+            lost,
         )
     if key_expired(k.expires_at, time.time()):
         return (

@@ -1380,6 +1380,9 @@ class ApiKeyRecord:
     models: tuple[str, ...] = ()
     # Its callers are refused (403 api_key_suspended) until it is resumed.
     suspended: bool = False
+    # While suspended: the operator's reason and since when (Unix seconds).
+    suspended_reason: str = ""
+    suspended_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1444,6 +1447,8 @@ def decode_key(raw: bytes) -> ApiKeyRecord:
     fields["limits"] = _limits(fields.get("limits"))
     fields["models"] = tuple(str(m) for m in fields.get("models", ()))
     fields["suspended"] = fields.get("suspended") is True  # absent before suspension
+    fields["suspended_reason"] = str(fields.get("suspended_reason") or "")
+    fields["suspended_at"] = float(fields.get("suspended_at") or 0.0)
     return ApiKeyRecord(**fields)
 
 

@@ -225,6 +225,8 @@ def key_pb(k: ApiKeyRecord) -> apb.ApiKeyInfo:
         expires_at=k.expires_at,
         models=k.models,
         suspended=k.suspended,
+        suspended_reason=k.suspended_reason,
+        suspended_at=k.suspended_at,
     )
 
 
@@ -562,9 +564,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def SetKeySuspended(
         self, request: apb.SetKeySuspendedRequest, context: Ctx
     ) -> apb.ApiKeyInfo:
-        saved, changed = await self._catalog.set_key_suspended(request.id, request.suspended)
-        auditing.note(changes=auditing.suspension_changes(request.suspended, changed))
-        if request.suspended and changed:
+        saved, before = await self._catalog.set_key_suspended(
+            request.id, request.suspended, request.reason
+        )
+        auditing.note(changes=auditing.suspension_changes(before, saved))
+        if before is not None and not before.suspended and saved.suspended:
             await self._warn(
                 context,
                 self._lacking(KEY_SUSPENSION, "serve the key's callers"),

@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 from controlplane.apply import change_text
 from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
 from controlplane.errors import ControlPlaneError, OutcomeUnknown
-from controlplane.model import redact_url
+from controlplane.model import ApiKeyRecord, redact_url
 from ponto import roles
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
@@ -275,7 +275,7 @@ def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:
 
 
 def set_key_suspended(req: apb.SetKeySuspendedRequest, _: object) -> Description:
-    return f"key/{req.id}", {}
+    return f"key/{req.id}", {"reason": req.reason} if req.reason else {}
 
 
 def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:
@@ -283,12 +283,16 @@ def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:
     return "SuspendKey" if req.suspended else "ResumeKey"
 
 
-def suspension_changes(suspended: bool, changed: bool) -> str:
-    """What a key's suspension (suspended) or resumption did, as an entry's
-    `changes` says it: "nothing" for a key that already was."""
-    if not changed:
+def suspension_changes(before: ApiKeyRecord | None, after: ApiKeyRecord) -> str:
+    """What a key's suspension or resumption did, as an entry's `changes`
+    says it: "nothing" for a key that already was (before None), else the
+    flag's change or, for a suspended key given another reason, the
+    reason's."""
+    if before is None:
         return "nothing"
-    return f"suspended {_flag(not suspended)} -> {_flag(suspended)}"
+    if before.suspended != after.suspended:
+        return f"suspended {_flag(before.suspended)} -> {_flag(after.suspended)}"
+    return f"reason {before.suspended_reason!r} -> {after.suspended_reason!r}"
 
 
 def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:

@@ -712,6 +712,8 @@ class ApiKeyInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
+    SUSPENDED_REASON_FIELD_NUMBER: _builtins.int
+    SUSPENDED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     tenant: _builtins.str
     description: _builtins.str
@@ -723,6 +725,11 @@ class ApiKeyInfo(_message.Message):
     """Unix seconds from which proxies refuse the key; 0: never."""
     suspended: _builtins.bool
     """Refused by proxies (403 api_key_suspended) until resumed."""
+    suspended_reason: _builtins.str
+    """While suspended: why, as the operator said (never sent to its callers),
+    and since when (Unix seconds).
+    """
+    suspended_at: _builtins.float
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     @_builtins.property
@@ -744,10 +751,12 @@ class ApiKeyInfo(_message.Message):
         expires_at: _builtins.float = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
         suspended: _builtins.bool = ...,
+        suspended_reason: _builtins.str = ...,
+        suspended_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "models", b"models", "revoked", b"revoked", "revoked_at", b"revoked_at", "suspended", b"suspended", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "description", b"description", "expires_at", b"expires_at", "id", b"id", "limits", b"limits", "models", b"models", "revoked", b"revoked", "revoked_at", b"revoked_at", "suspended", b"suspended", "suspended_at", b"suspended_at", "suspended_reason", b"suspended_reason", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -962,17 +971,25 @@ class SetKeySuspendedRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     suspended: _builtins.bool
+    reason: _builtins.str
+    """Why, for operators (the key's suspended_reason, and the audit entry's);
+    at most 200 printable characters. Suspending a suspended key with
+    another reason replaces the reason and keeps its suspended_at. Resuming
+    clears both; a reason given then goes to the audit entry only.
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         suspended: _builtins.bool = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "reason", b"reason", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -450,21 +450,25 @@ def test_a_suspended_key_is_refused_until_it_is_resumed(
     client, other = (OpenAI(base_url=fleet.proxy_url("p1"), api_key=k, max_retries=0) for k in keys)
     hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
-    said = ctl(fleet, capsys, "key", "suspend", suspect_id)
-    assert f"key {suspect_id} of tenant epsilon suspended" in said
+    said = ctl(fleet, capsys, "key", "suspend", suspect_id, "--reason", "seen in a CI log")
+    assert f"key {suspect_id} of tenant epsilon suspended (seen in a CI log)" in said
     converge(fleet, lambda t: any(k.suspended for k in t.keys if k.id == suspect_id))
     listed = ctl(fleet, capsys, "key", "list", "--tenant", "epsilon")
     [row] = [line for line in listed.splitlines() if line.startswith(suspect_id)]
     assert row.split()[-1] == "suspended"
+    [why] = [line for line in listed.splitlines() if line.startswith(f"key {suspect_id} ")]
+    assert why.endswith(": seen in a CI log")
     assert suspect_id not in ctl(fleet, capsys, "key", "list", "--active")
     before = sim(fleet)["requests"]
     with pytest.raises(PermissionDeniedError) as refused:
         client.chat.completions.create(model="sim-small", messages=hi)
     assert refused.value.code == "api_key_suspended"
+    assert "CI log" not in str(refused.value.body)  # the reason is the operators'
     assert sim(fleet)["requests"] == before
     assert other.chat.completions.create(model="sim-small", messages=hi).choices
     audit = ctl(fleet, capsys, "get", "audit", "--action", "SuspendKey", "-o", "json")
     assert f"key/{suspect_id}" in audit and "suspended false -> true" in audit
+    assert '"reason": "seen in a CI log"' in audit
 
     assert "resumed" in ctl(fleet, capsys, "key", "resume", suspect_id)
     converge(fleet, lambda t: not any(k.suspended for k in t.keys if k.id == suspect_id))

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 
 from controlplane.catalog import REPLICAS, Catalog
-from controlplane.cli import _AUDITED, _keys_text, _parser, _rows_keys, run
+from controlplane.cli import _AUDITED, Shown, _keys_text, _parser, _rows_keys, run
 from controlplane.compile import compile_table
-from controlplane.errors import FailedPrecondition, NotFound
+from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound
 from controlplane.model import (
     ApiKeyRecord,
     Limits,
@@ -43,21 +44,63 @@ async def test_the_catalog_suspends_and_resumes_writing_only_changes() -> None:
     catalog = Catalog(store)
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
     record, _, _ = await catalog.create_key("acme", limits=Limits(rpm=5), models=["m"])
-    suspended, written = await catalog.set_key_suspended(record.id, True)
-    assert suspended.suspended and written
+    suspended, before = await catalog.set_key_suspended(record.id, True)
+    assert suspended.suspended and before == record
     [stored] = (await catalog.snapshot()).keys
     assert stored.suspended
     revision = (await store.list("/")).revision
-    again, written = await catalog.set_key_suspended(record.id, True)
-    assert again == suspended and not written
+    again, before = await catalog.set_key_suspended(record.id, True)
+    assert again == suspended and before is None
     assert (await store.list("/")).revision == revision  # nothing written
-    resumed, written = await catalog.set_key_suspended(record.id, False)
-    assert written and resumed == record  # all else it had is kept
+    resumed, before = await catalog.set_key_suspended(record.id, False)
+    assert before == suspended and resumed == record  # all else it had is kept
     with pytest.raises(NotFound):
         await catalog.set_key_suspended("zzzzzzzzzz", True)
     await catalog.revoke_key(record.id)
     with pytest.raises(FailedPrecondition, match="is revoked: its callers are refused for good"):
         await catalog.set_key_suspended(record.id, True)
+
+
+async def test_a_suspension_keeps_its_reason_and_time_until_the_key_is_resumed() -> None:
+    now = [1000.0]
+    catalog = Catalog(MemoryStore(), clock=lambda: now[0])
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    record, _, _ = await catalog.create_key("acme")
+    suspended, _ = await catalog.set_key_suspended(record.id, True, "leaked in a CI log")
+    assert (suspended.suspended_reason, suspended.suspended_at) == ("leaked in a CI log", 1000.0)
+    [stored] = (await catalog.snapshot()).keys
+    assert stored == suspended
+    now[0] = 2000.0
+    # Another reason replaces the reason; the key stays suspended since then.
+    moved, before = await catalog.set_key_suspended(record.id, True, "rotated upstream")
+    assert before == suspended
+    assert (moved.suspended_reason, moved.suspended_at) == ("rotated upstream", 1000.0)
+    # No reason, or the same one: nothing written.
+    assert (await catalog.set_key_suspended(record.id, True))[1] is None
+    assert (await catalog.set_key_suspended(record.id, True, "rotated upstream"))[1] is None
+    resumed, _ = await catalog.set_key_suspended(record.id, False, "the app has a new key")
+    assert resumed == record  # reason and time go with the suspension
+    # Suspended again: the time is the new suspension's, the old reason gone.
+    again, _ = await catalog.set_key_suspended(record.id, True)
+    assert (again.suspended_reason, again.suspended_at) == ("", 2000.0)
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        ("x" * 201, "longer than 200 characters"),
+        ("two\nlines", "hidden character"),
+        ("\x1b[31mred", "hidden character"),
+    ],
+)
+async def test_a_reason_is_one_short_line_of_printable_text(reason: str, said: str) -> None:
+    catalog = Catalog(MemoryStore())
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    record, _, _ = await catalog.create_key("acme")
+    with pytest.raises(InvalidArgument, match=said):
+        await catalog.set_key_suspended(record.id, True, reason)
+    [stored] = (await catalog.snapshot()).keys
+    assert stored == record
 
 
 async def test_a_suspended_key_is_in_the_table_flagged_and_a_revoked_one_is_not_at_all() -> None:
@@ -100,6 +143,42 @@ async def test_the_admin_api_suspends_resumes_and_audits_each_as_its_own_action(
         )
 
 
+async def test_the_admin_api_keeps_a_reason_and_the_audit_trail_says_it() -> None:
+    store = MemoryStore()
+    async with admin(store) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        key_id = (await stub.CreateKey(apb.CreateKeyRequest(tenant="acme"))).key.id
+        on = await stub.SetKeySuspended(
+            apb.SetKeySuspendedRequest(id=key_id, suspended=True, reason="leaked")
+        )
+        assert on.suspended_reason == "leaked" and on.suspended_at > 0
+        await stub.SetKeySuspended(
+            apb.SetKeySuspendedRequest(id=key_id, suspended=True, reason="still leaked")
+        )
+        [listed] = (await stub.ListKeys(apb.ListKeysRequest())).keys
+        assert (listed.suspended_reason, listed.suspended_at) == ("still leaked", on.suspended_at)
+        off = await stub.SetKeySuspended(
+            apb.SetKeySuspendedRequest(id=key_id, suspended=False, reason="new key deployed")
+        )
+        assert (off.suspended_reason, off.suspended_at) == ("", 0.0)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SetKeySuspended(
+                apb.SetKeySuspendedRequest(id=key_id, suspended=True, reason="a\nb")
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        entries = (await stub.ListAudit(apb.ListAuditRequest())).entries
+        trail = sorted(
+            (e.action, e.detail.get("reason", ""), e.detail["changes"])
+            for e in entries
+            if e.action in ("SuspendKey", "ResumeKey") and e.result == "ok"
+        )
+        assert trail == [
+            ("ResumeKey", "new key deployed", "suspended true -> false"),
+            ("SuspendKey", "leaked", "suspended false -> true"),
+            ("SuspendKey", "still leaked", "reason 'leaked' -> 'still leaked'"),
+        ]
+
+
 class Stub:
     """The Admin calls of `key suspend` and `key resume`, over one key."""
 
@@ -112,8 +191,15 @@ class Stub:
 
     def SetKeySuspended(self, req: apb.SetKeySuspendedRequest) -> apb.ApiKeyInfo:
         self.sent.append(req)
-        self.key.suspended = req.suspended
-        return self.key
+        answer = apb.ApiKeyInfo()
+        answer.CopyFrom(self.key)
+        answer.suspended = req.suspended
+        if not req.suspended:
+            answer.suspended_reason, answer.suspended_at = "", 0.0
+        elif req.reason:
+            answer.suspended_reason = req.reason
+        self.key = answer
+        return answer
 
     tenant_suspended = False
 
@@ -143,6 +229,73 @@ def test_pontoctl_suspends_and_resumes_and_says_what_proxies_do() -> None:
     assert pontoctl(stub, "key", "resume", "abcdefghij") == (
         "key abcdefghij of tenant acme was not suspended: nothing changed"
     )
+
+
+def test_pontoctl_sends_a_reason_and_says_it() -> None:
+    stub = Stub(apb.ApiKeyInfo(id="abcdefghij", tenant="acme"))
+    said = pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "leaked in a CI log")
+    assert said.startswith("key abcdefghij of tenant acme suspended (leaked in a CI log): ")
+    assert not isinstance(said, Shown) or not said.not_saved
+    assert pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "rotated") == (
+        "key abcdefghij of tenant acme was suspended: reason now 'rotated'"
+    )
+    pontoctl(stub, "key", "resume", "abcdefghij", "--reason", "new key deployed")
+    assert [(r.suspended, r.reason) for r in stub.sent] == [
+        (True, "leaked in a CI log"),
+        (True, "rotated"),
+        (False, "new key deployed"),
+    ]
+
+
+def test_a_reason_an_older_control_plane_dropped_is_not_saved() -> None:
+    """Such a control plane suspends the key and answers without a reason."""
+
+    class Older(Stub):
+        def SetKeySuspended(self, req: apb.SetKeySuspendedRequest) -> apb.ApiKeyInfo:
+            self.key.suspended = req.suspended
+            return self.key
+
+    said = pontoctl(Older(apb.ApiKeyInfo(id="abcdefghij", tenant="acme")), "key", "suspend",
+                    "abcdefghij", "--reason", "leaked")  # fmt: skip
+    assert said.startswith("key abcdefghij of tenant acme suspended: ")
+    assert isinstance(said, Shown) and said.not_saved == ("reason",)
+    stub = Older(apb.ApiKeyInfo(id="abcdefghij", tenant="acme", suspended=True))
+    said = pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "leaked")
+    assert isinstance(said, Shown) and said.not_saved == ("reason",)
+
+
+class Listing(Stub):
+    """`key list`'s calls, over `keys` (default: the one key)."""
+
+    def __init__(self, key: apb.ApiKeyInfo, keys: list[apb.ApiKeyInfo] | None = None) -> None:
+        super().__init__(key)
+        self.keys = keys or [key]
+
+    def ListKeys(self, req: apb.ListKeysRequest) -> apb.ListKeysResponse:
+        return apb.ListKeysResponse(keys=self.keys)
+
+    def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
+        return apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme")])
+
+    def ListOrigins(self, req: apb.ListRequest) -> apb.ListOriginsResponse:
+        return apb.ListOriginsResponse()
+
+
+def test_key_list_says_since_when_and_why_each_suspended_key_is() -> None:
+    keys = [
+        apb.ApiKeyInfo(id="aaaaaaaaaa", tenant="acme", suspended=True,
+                       suspended_reason="leaked in a CI log", suspended_at=1.7e9),
+        apb.ApiKeyInfo(id="bbbbbbbbbb", tenant="acme", suspended=True),  # an older control plane's
+        apb.ApiKeyInfo(id="cccccccccc", tenant="acme"),
+        apb.ApiKeyInfo(id="dddddddddd", tenant="acme", revoked=True, suspended=True),
+    ]  # fmt: skip
+    lines = pontoctl(Listing(keys[0], keys), "key", "list").splitlines()
+    assert lines[-2:] == [
+        "key aaaaaaaaaa suspended since 2023-11-14T22:13:20Z: leaked in a CI log",
+        "key bbbbbbbbbb suspended: no reason given",
+    ]
+    shown = orjson.loads(pontoctl(Listing(keys[0], keys), "key", "list", "-o", "json"))
+    assert shown["keys"][0]["suspended_reason"] == "leaked in a CI log"
 
 
 def test_resuming_a_key_of_a_suspended_tenant_says_its_callers_are_still_refused() -> None:
@@ -178,13 +331,6 @@ def test_key_list_shows_the_state_in_one_field(key: apb.ApiKeyInfo, state: str) 
 
 
 def test_key_list_active_hides_suspended_keys() -> None:
-    class Listing(Stub):
-        def ListTenants(self, req: apb.ListRequest) -> apb.ListTenantsResponse:
-            return apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme")])
-
-        def ListOrigins(self, req: apb.ListRequest) -> apb.ListOriginsResponse:
-            return apb.ListOriginsResponse()
-
     stub = Listing(apb.ApiKeyInfo(id="abcdefghij", tenant="acme", suspended=True))
     assert "abcdefghij" in pontoctl(stub, "key", "list")
     assert "abcdefghij" not in pontoctl(stub, "key", "list", "--active")
