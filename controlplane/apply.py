@@ -31,6 +31,7 @@ Pure: no I/O, no clock.
         streams: {continuation: true, max_continuations: 2, stream_idle_timeout_s: 30,
                   hedge_ms: auto, hedge_models: {llama-3-8b: 500}}
         models: [gpt-4o, embed-small]   # the only models its callers may name
+      - {name: globex, suspended: true, suspended_reason: invoice unpaid}   # 403 tenant_suspended
 
 Unknown fields are refused with their path, so a typo never passes silently;
 `pontoctl apply -f` refuses a key given twice in one mapping (YAML would
@@ -111,6 +112,7 @@ TENANT_FIELDS = (
     "streams",
     "models",
     "suspended",
+    "suspended_reason",
 )
 LIMIT_FIELDS = ("rpm", "tpm", "concurrency", "tokens_per_day", "tokens_per_month")
 CACHE_FIELDS = (
@@ -438,6 +440,7 @@ def _tenant(o: _Obj) -> Tenant:
         ),
         models=_access(o),
         suspended=o.get("suspended", bool, False),
+        suspended_reason=o.get("suspended_reason", str, ""),
     )
 
 
@@ -597,6 +600,8 @@ def tenant_doc(t: Tenant) -> dict[str, Any]:
         out["models"] = list(t.models.names)
     if t.suspended:
         out["suspended"] = True
+    if t.suspended_reason:
+        out["suspended_reason"] = t.suspended_reason
     return out
 
 

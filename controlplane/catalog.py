@@ -65,7 +65,7 @@ from controlplane.model import (
     access_warnings,
     check_model_names,
     check_name,
-    check_note,
+    check_reason,
     decode_health,
     decode_id_keys,
     decode_key,
@@ -136,8 +136,6 @@ CONFLICT_SHOWN_S = 75.0
 CAS_ATTEMPTS = 8
 # The latest key expiry taken (year 9999): later is a mistake, not a time.
 MAX_EXPIRY = 253402300799.0
-# The longest reason a key's suspension keeps (SetKeySuspendedRequest.reason).
-MAX_REASON = 200
 _PREFIX = {"region": REGIONS, "origin": ORIGINS, "tenant": TENANTS}
 
 T = TypeVar("T")
@@ -841,14 +839,12 @@ class Catalog:
         it already was what was asked). A revoked key is refused
         (FailedPrecondition), an unknown one NotFound.
 
-        A suspension keeps `reason` (at most MAX_REASON printable characters,
+        A suspension keeps `reason` (model.check_reason: one short printable line,
         else InvalidArgument) and this replica's time; suspending a suspended
         key with another reason replaces the reason only, and without one
         changes nothing. Resuming clears both (`reason` is then the audit
         entry's alone)."""
-        reason = check_note("a suspension's reason", reason)
-        if len(reason) > MAX_REASON:
-            raise InvalidArgument(f"a suspension's reason is longer than {MAX_REASON} characters")
+        reason = check_reason("a suspension's reason", reason)
         read: list[ApiKeyRecord] = []  # the key as the last attempt read it
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord | None:

@@ -850,6 +850,12 @@ def _parser() -> argparse.ArgumentParser:
         help="on: refuse every request of the tenant's callers (403 tenant_suspended), keeping "
         "its keys and settings; off: serve them again",
     )
+    ts.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help="why it is suspended, for operators (`get tenants`, the audit trail; never its "
+        "callers): with --suspended on, or for a tenant suspended already (replaces it)",
+    )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(
         tenant_settings=tuple(a.dest for a in ts._actions if a.dest not in ("help", "name"))
@@ -1247,6 +1253,15 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
             req.models.CopyFrom(models)
     if args.suspended is not None and (args.suspended == "on") != current.suspended:
         req.suspended = args.suspended == "on"
+    if args.reason is not None:
+        if not (args.suspended == "on" or (args.suspended is None and current.suspended)):
+            raise UsageError(
+                f"--reason says why a tenant is suspended; tenant {args.name} "
+                + ("will not be" if args.suspended == "off" else "is not")
+                + ": give --suspended on"
+            )
+        if args.reason != current.suspended_reason:
+            req.suspended_reason = args.reason
     return req
 
 
@@ -1259,6 +1274,8 @@ def _asked_tenant(update: apb.UpdateTenantRequest) -> pb.Tenant:
             getattr(asked, part).CopyFrom(getattr(update, part))
     if update.HasField("suspended"):
         asked.suspended = update.suspended
+    if update.HasField("suspended_reason"):
+        asked.suspended_reason = update.suspended_reason
     return asked
 
 
@@ -1339,8 +1356,15 @@ def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list
         or any(_listed_mark(t, m, served) for t in tenants for m in t.models.names)
     )
     aliased = [line for t in tenants for line in _alias_settings(t)]
-    return ([UNSERVED_NOTE] if unserved else []) + (
-        [ALIAS_NOTE + "; ".join(aliased)] if aliased else []
+    suspended = [
+        f"tenant {t.name} suspended: {t.suspended_reason}"
+        for t in tenants
+        if t.suspended and t.suspended_reason
+    ]
+    return (
+        ([UNSERVED_NOTE] if unserved else [])
+        + ([ALIAS_NOTE + "; ".join(aliased)] if aliased else [])
+        + suspended
     )
 
 
@@ -1589,6 +1613,10 @@ def _merged(current: pb.Tenant, update: apb.UpdateTenantRequest) -> Tenant:
             getattr(merged, part).CopyFrom(getattr(update, part))
     if update.HasField("suspended"):
         merged.suspended = update.suspended
+        if not update.suspended:
+            merged.suspended_reason = ""
+    if update.HasField("suspended_reason"):
+        merged.suspended_reason = update.suspended_reason
     return tenant_of(merged)
 
 
@@ -2091,6 +2119,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             )
         if t.suspended:
             saved += " SUSPENDED: its callers are refused (403 tenant_suspended)"
+            if t.suspended_reason:
+                saved += f" ({t.suspended_reason})"
         elif update.HasField("suspended") and update.suspended:
             # An older control plane drops the field, as it drops model lists.
             saved += (

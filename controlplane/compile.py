@@ -7,6 +7,8 @@ change what proxies see (a proxy registering, say) is not pushed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from controlplane.model import Limits, State, Tenant
 from ponto.routetable import OPEN_TENANT, content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -87,7 +89,11 @@ def compile_table(state: State) -> pb.RouteTable:
             )
         )
     tenants = {t.name for t in state.tenants}
-    table.tenants.extend(tenant_pb(t) for t in sorted(state.tenants, key=lambda t: t.name))
+    # The operators' reason is not the proxies': a table changes with what they enforce.
+    table.tenants.extend(
+        tenant_pb(replace(t, suspended_reason=""))
+        for t in sorted(state.tenants, key=lambda t: t.name)
+    )
     table.keys.extend(
         pb.ApiKey(
             id=k.id,
@@ -173,6 +179,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
         ),
         models=pb.ModelAccess(names=t.models.names),
         suspended=t.suspended,
+        suspended_reason=t.suspended_reason,
     )
     if t.jwt is not None:
         out.jwt.CopyFrom(

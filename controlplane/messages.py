@@ -138,4 +138,5 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         streams=streams_of(m.streams),
         models=models_of(m.models),
         suspended=m.suspended,
+        suspended_reason=m.suspended_reason,
     )

@@ -113,6 +113,19 @@ def is_hidden(char: str) -> bool:
     return char in _REORDERING or unicodedata.category(char) in HIDDEN_CATEGORIES
 
 
+# The longest reason a suspension keeps (a key's or a tenant's).
+MAX_REASON = 200
+
+
+def check_reason(what: str, text: str) -> str:
+    """text, a suspension's reason: check_note's one printable line, of at
+    most MAX_REASON characters; else InvalidArgument naming what. Pure."""
+    check_note(what, text)
+    if len(text) > MAX_REASON:
+        raise InvalidArgument(f"{what} is longer than {MAX_REASON} characters")
+    return text
+
+
 def check_note(what: str, text: str) -> str:
     """text, when it is one line of characters shown as themselves (no
     is_hidden one); else InvalidArgument naming what and the first such
@@ -954,6 +967,8 @@ class Tenant:
     models: ModelAccess = ModelAccess()
     # Its callers are refused (403 tenant_suspended); keys and settings kept.
     suspended: bool = False
+    # While suspended: the operator's reason (never in route tables).
+    suspended_reason: str = ""
 
     def validated(self, *, stored: bool = False) -> Tenant:
         """This tenant with each block validated; the first block's
@@ -980,6 +995,15 @@ class Tenant:
         owner = f"tenant {self.name!r}"
         blocks: dict[str, Any] = {"jwt": None}
         problems: list[InvalidArgument] = []
+        try:
+            check_reason(f"{owner}: suspended_reason", self.suspended_reason)
+            if self.suspended_reason and not self.suspended:
+                raise InvalidArgument(
+                    f"{owner}: suspended_reason is given, but the tenant is not suspended"
+                )
+        except InvalidArgument as exc:
+            exc.within("suspended_reason")
+            problems.append(exc)
         for part, block in (
             ("limits", self.limits),
             ("prompt", self.prompt),
@@ -1439,6 +1463,7 @@ def decode_tenant(raw: bytes) -> Tenant:
         streams=StreamPolicy(**streams),
         models=ModelAccess(tuple(str(m) for m in (fields.get("models") or {}).get("names", ()))),
         suspended=fields.get("suspended") is True,  # absent in records from before suspension
+        suspended_reason=str(fields.get("suspended_reason") or ""),
     )
 
 

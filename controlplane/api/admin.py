@@ -418,6 +418,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 t = replace(t, models=models_of(request.models))
             if request.HasField("suspended"):
                 t = replace(t, suspended=request.suspended)
+                if not request.suspended:  # the reason goes with the suspension
+                    t = replace(t, suspended_reason="")
+            if request.HasField("suspended_reason"):
+                t = replace(t, suspended_reason=request.suspended_reason)
             if request.HasField("jwt"):
                 t = replace(t, jwt=jwt_of(request.jwt))
             if request.clear_jwt:

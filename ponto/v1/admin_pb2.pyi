@@ -575,12 +575,20 @@ class UpdateTenantRequest(_message.Message):
     STREAMS_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
+    SUSPENDED_REASON_FIELD_NUMBER: _builtins.int
     EXPECTED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     clear_jwt: _builtins.bool
     """Remove the tenant's JWT issuer."""
     suspended: _builtins.bool
-    """Set: suspends the tenant (true) or lifts its suspension (false)."""
+    """Set: suspends the tenant (true) or lifts its suspension (false, which
+    clears its suspended_reason).
+    """
+    suspended_reason: _builtins.str
+    """Set: why the tenant is suspended (Tenant.suspended_reason), for a tenant
+    suspended by this request or already; one printable line of at most 200
+    characters.
+    """
     @_builtins.property
     def limits(self) -> _routing_pb2.Limits: ...
     @_builtins.property
@@ -623,15 +631,21 @@ class UpdateTenantRequest(_message.Message):
         streams: _routing_pb2.StreamPolicy | None = ...,
         models: _routing_pb2.ModelAccess | None = ...,
         suspended: _builtins.bool | None = ...,
+        suspended_reason: _builtins.str | None = ...,
         expected: _routing_pb2.Tenant | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "_suspended_reason", b"_suspended_reason", "cache", b"cache", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended", "suspended_reason", b"suspended_reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "cache", b"cache", "clear_jwt", b"clear_jwt", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_suspended", b"_suspended", "_suspended_reason", b"_suspended_reason", "cache", b"cache", "clear_jwt", b"clear_jwt", "expected", b"expected", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended", "suspended_reason", b"suspended_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__suspended: _TypeAlias = _typing.Literal["suspended"]  # noqa: Y015
     _WhichOneofArgType__suspended: _TypeAlias = _typing.Literal["_suspended", b"_suspended"]  # noqa: Y015
+    _WhichOneofReturnType__suspended_reason: _TypeAlias = _typing.Literal["suspended_reason"]  # noqa: Y015
+    _WhichOneofArgType__suspended_reason: _TypeAlias = _typing.Literal["_suspended_reason", b"_suspended_reason"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__suspended) -> _WhichOneofReturnType__suspended | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__suspended_reason) -> _WhichOneofReturnType__suspended_reason | None: ...
 
 Global___UpdateTenantRequest: _TypeAlias = UpdateTenantRequest  # noqa: Y015
 

@@ -412,15 +412,18 @@ def test_a_suspended_tenants_callers_are_refused_until_it_is_lifted(
     hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
     assert client.chat.completions.create(model="sim-small", messages=hi).choices
 
-    said = ctl(fleet, capsys, "tenant", "set", "delta", "--suspended", "on")
-    assert "SUSPENDED: its callers are refused (403 tenant_suspended)" in said
+    said = ctl(fleet, capsys, "tenant", "set", "delta", "--suspended", "on", "--reason", "unpaid")
+    assert "SUSPENDED: its callers are refused (403 tenant_suspended) (unpaid)" in said
     converge(fleet, lambda t: any(x.suspended for x in t.tenants if x.name == "delta"))
-    [row] = [line for line in ctl(fleet, capsys, "get", "tenants").splitlines() if "delta" in line]
+    listed = ctl(fleet, capsys, "get", "tenants").splitlines()
+    [row] = [line for line in listed if line.startswith("delta ")]
     assert row.split()[-1] == "suspended"
+    assert "tenant delta suspended: unpaid" in listed
     before = sim(fleet)["requests"]
     with pytest.raises(PermissionDeniedError) as refused:
         client.chat.completions.create(model="sim-small", messages=hi)
     assert refused.value.code == "tenant_suspended"
+    assert "unpaid" not in str(refused.value.body)
     with pytest.raises(PermissionDeniedError):
         client.models.list()
     assert sim(fleet)["requests"] == before

@@ -12,10 +12,11 @@ import pytest
 
 from controlplane.apply import document, parse, tenant_changes
 from controlplane.catalog import Catalog
-from controlplane.cli import _parser, _rows_tenants, run
+from controlplane.cli import Shown, UsageError, _parser, _rows_tenants, _tenant_notes, run
 from controlplane.compile import compile_table, tenant_pb
+from controlplane.errors import InvalidArgument
 from controlplane.messages import tenant_of
-from controlplane.model import Tenant, decode_tenant, encode
+from controlplane.model import State, Tenant, decode_tenant, encode
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -80,6 +81,10 @@ class Stub:
         self.sent.append(req)
         if req.HasField("suspended") and not self.drops:
             self.current.suspended = req.suspended
+            if not req.suspended:
+                self.current.suspended_reason = ""
+        if req.HasField("suspended_reason") and not self.drops:
+            self.current.suspended_reason = req.suspended_reason
         return self.current
 
 
@@ -123,3 +128,97 @@ def test_get_tenants_shows_the_state_last(suspended: bool, state: str) -> None:
         apb.ListTenantsResponse(tenants=[pb.Tenant(name="acme", suspended=suspended)])
     )
     assert header[-1] == "STATE" and row[-1] == state
+
+
+def test_a_reason_is_stored_applied_and_exported_but_never_in_a_table() -> None:
+    t = Tenant("acme", suspended=True, suspended_reason="invoice unpaid")
+    assert decode_tenant(encode(t)) == t
+    assert tenant_of(tenant_pb(t)) == t
+    [applied] = parse(
+        {"tenants": [{"name": "acme", "suspended": True, "suspended_reason": "invoice unpaid"}]}
+    ).tenants
+    assert applied == t.validated()
+    assert document(tenants=[t])["tenants"][0]["suspended_reason"] == "invoice unpaid"
+    assert tenant_changes(Tenant("acme", suspended=True), t) == (
+        'suspended_reason unset -> "invoice unpaid"'
+    )
+    table = compile_table(State(revision=7, tenants=(t,)))
+    assert [x.suspended_reason for x in table.tenants] == [""]
+    # A new reason is no new content for the proxies (the etag they compare).
+    without = compile_table(State(revision=7, tenants=(Tenant("acme", suspended=True),)))
+    assert table.etag == without.etag
+
+
+@pytest.mark.parametrize(
+    ("tenant", "said"),
+    [
+        (Tenant("acme", suspended_reason="why"), "the tenant is not suspended"),
+        (Tenant("acme", suspended=True, suspended_reason="x" * 201), "longer than 200"),
+        (Tenant("acme", suspended=True, suspended_reason="a\nb"), "hidden character"),
+    ],
+)
+def test_a_reason_is_one_short_line_for_a_suspended_tenant(tenant: Tenant, said: str) -> None:
+    with pytest.raises(InvalidArgument, match=said):
+        tenant.validated()
+    assert errors_of(
+        {"tenants": [{"name": "acme", "suspended": tenant.suspended,
+                      "suspended_reason": tenant.suspended_reason}]}
+    )[0].startswith("tenants[0].suspended_reason: ")  # fmt: skip
+
+
+async def test_the_admin_api_keeps_a_reason_until_the_suspension_is_lifted() -> None:
+    store = MemoryStore()
+    async with admin(store) as stub:
+        await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+        on = await stub.UpdateTenant(
+            apb.UpdateTenantRequest(name="acme", suspended=True, suspended_reason="unpaid")
+        )
+        assert (on.suspended, on.suspended_reason) == (True, "unpaid")
+        await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=5)))
+        [kept] = (await stub.ListTenants(apb.ListRequest())).tenants
+        assert kept.suspended_reason == "unpaid"
+        off = await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", suspended=False))
+        assert (off.suspended, off.suspended_reason) == (False, "")
+        audit = (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
+        changes = [e.detail["changes"] for e in audit]
+        assert 'suspended false -> true; suspended_reason unset -> "unpaid"' in changes
+        assert 'suspended true -> false; suspended_reason "unpaid" -> removed' in changes
+
+
+def test_tenant_set_sends_a_reason_and_says_it() -> None:
+    stub = Stub()
+    said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "on", "--reason", "unpaid")
+    assert said.splitlines()[0].endswith("SUSPENDED: its callers are refused "
+                                         "(403 tenant_suspended) (unpaid)")  # fmt: skip
+    assert stub.sent[-1].suspended_reason == "unpaid"
+    # Of a suspended tenant, --reason alone replaces the reason.
+    pontoctl(stub, "tenant", "set", "acme", "--reason", "fraud review")
+    assert stub.sent[-1].suspended_reason == "fraud review"
+    assert not stub.sent[-1].HasField("suspended")
+    notes = _tenant_notes([stub.current, pb.Tenant(name="b", suspended=True)], served=())
+    assert notes == ["tenant acme suspended: fraud review"]  # b has no reason to say
+    pontoctl(stub, "tenant", "set", "acme", "--suspended", "off")
+    assert stub.current.suspended_reason == ""
+
+
+@pytest.mark.parametrize("argv", [("--reason", "why"), ("--suspended", "off", "--reason", "why")])
+def test_a_reason_for_a_tenant_left_serving_is_refused_before_anything_is_sent(
+    argv: tuple[str, ...],
+) -> None:
+    stub = Stub()
+    with pytest.raises(UsageError, match="--reason says why a tenant is suspended"):
+        pontoctl(stub, "tenant", "set", "acme", *argv)
+    assert stub.sent == []
+
+
+def test_a_reason_an_older_control_plane_dropped_is_not_saved() -> None:
+    """A control plane that knows suspension but not reasons."""
+
+    class Older(Stub):
+        def UpdateTenant(self, req: apb.UpdateTenantRequest) -> pb.Tenant:
+            self.sent.append(req)
+            self.current.suspended = req.suspended
+            return self.current
+
+    said = pontoctl(Older(), "tenant", "set", "acme", "--suspended", "on", "--reason", "unpaid")
+    assert isinstance(said, Shown) and said.not_saved == ("suspended_reason",)
