@@ -1453,6 +1453,7 @@ def decode_tenant(raw: bytes) -> Tenant:
         jwt_fields["audiences"] = tuple(jwt_fields.get("audiences", ()))
         jwt_fields["algorithms"] = tuple(jwt_fields.get("algorithms", ()))
         jwt = JwtIssuer(**jwt_fields)
+    suspended = fields.get("suspended") is True  # absent in records from before suspension
     return Tenant(
         name=fields["name"],
         limits=_limits(fields.get("limits")),
@@ -1462,8 +1463,10 @@ def decode_tenant(raw: bytes) -> Tenant:
         routing=RoutingPolicy(**routing),
         streams=StreamPolicy(**streams),
         models=ModelAccess(tuple(str(m) for m in (fields.get("models") or {}).get("names", ()))),
-        suspended=fields.get("suspended") is True,  # absent in records from before suspension
-        suspended_reason=str(fields.get("suspended_reason") or ""),
+        suspended=suspended,
+        # Read by precedence, never refused (encode_over): a replica older
+        # than reasons lifts a suspension and keeps the reason it cannot see.
+        suspended_reason=str(fields.get("suspended_reason") or "") if suspended else "",
     )
 
 
@@ -1472,8 +1475,11 @@ def decode_key(raw: bytes) -> ApiKeyRecord:
     fields["limits"] = _limits(fields.get("limits"))
     fields["models"] = tuple(str(m) for m in fields.get("models", ()))
     fields["suspended"] = fields.get("suspended") is True  # absent before suspension
-    fields["suspended_reason"] = str(fields.get("suspended_reason") or "")
-    fields["suspended_at"] = float(fields.get("suspended_at") or 0.0)
+    # Only of a suspended key: a replica older than reasons resumes one and
+    # keeps what it cannot see.
+    on = fields["suspended"]
+    fields["suspended_reason"] = str(fields.get("suspended_reason") or "") if on else ""
+    fields["suspended_at"] = float(fields.get("suspended_at") or 0.0) if on else 0.0
     return ApiKeyRecord(**fields)
 
 

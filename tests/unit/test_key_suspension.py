@@ -5,6 +5,7 @@ resume`. The proxy's side: tests/functional/test_key_suspended.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -37,6 +38,11 @@ def test_the_flag_is_stored_and_read_back_and_old_records_are_not_suspended() ->
     old = orjson.loads(encode(ApiKeyRecord("abcdefghij", "00" * 32, "acme")))
     del old["suspended"]  # a record written before suspension
     assert decode_key(orjson.dumps(old)).suspended is False
+    # A replica older than reasons resumed the key and kept the reason.
+    why = replace(key, suspended_reason="leaked", suspended_at=5.0)
+    assert decode_key(encode(why)) == why
+    resumed = orjson.loads(encode(why)) | {"suspended": False}
+    assert decode_key(orjson.dumps(resumed)) == replace(key, suspended=False)
 
 
 async def test_the_catalog_suspends_and_resumes_writing_only_changes() -> None:

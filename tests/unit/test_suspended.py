@@ -133,6 +133,9 @@ def test_get_tenants_shows_the_state_last(suspended: bool, state: str) -> None:
 def test_a_reason_is_stored_applied_and_exported_but_never_in_a_table() -> None:
     t = Tenant("acme", suspended=True, suspended_reason="invoice unpaid")
     assert decode_tenant(encode(t)) == t
+    # A replica older than reasons lifted the suspension and kept the reason.
+    lifted = orjson.loads(encode(t)) | {"suspended": False}
+    assert decode_tenant(orjson.dumps(lifted)) == Tenant("acme")
     assert tenant_of(tenant_pb(t)) == t
     [applied] = parse(
         {"tenants": [{"name": "acme", "suspended": True, "suspended_reason": "invoice unpaid"}]}
