@@ -844,7 +844,7 @@ class Catalog:
         key with another reason replaces the reason only, and without one
         changes nothing. Resuming clears both (`reason` is then the audit
         entry's alone)."""
-        reason = check_reason("a suspension's reason", reason)
+        reason = check_reason("a suspension's reason", reason.strip())
         read: list[ApiKeyRecord] = []  # the key as the last attempt read it
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord | None:

@@ -853,8 +853,9 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument(
         "--reason",
         metavar="TEXT",
-        help="why it is suspended, for operators (`get tenants`, the audit trail; never its "
-        "callers): with --suspended on, or for a tenant suspended already (replaces it)",
+        help="why it is suspended, for operators, one line of at most 200 characters (`get "
+        "tenants`, the audit trail; never its callers): with --suspended on, or for a tenant "
+        "suspended already (replaces it)",
     )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(
@@ -911,13 +912,19 @@ def _parser() -> argparse.ArgumentParser:
     ks.add_argument(
         "--reason",
         default="",
-        help="why, for operators: `key list` shows it while the key is suspended, and the "
-        "audit trail keeps it (never sent to the key's callers); given again, it replaces "
-        "the reason of a suspended key",
+        metavar="TEXT",
+        help="why, for operators, one line of at most 200 characters: `key list` shows it "
+        "while the key is suspended, and the audit trail keeps it (never sent to the key's "
+        "callers); given again, it replaces the reason of a suspended key",
     )
     kr = key.add_parser("resume", help="serve a suspended key's callers again")
     kr.add_argument("id", help="the key's id (key list)")
-    kr.add_argument("--reason", default="", help="why, for the audit trail")
+    kr.add_argument(
+        "--reason",
+        default="",
+        metavar="TEXT",
+        help="why, for the audit trail (a control plane older than reasons drops it)",
+    )
     ke = key.add_parser(
         "expire", help="make a key expire (to rotate it: create its successor, then expire it)"
     )
@@ -1357,7 +1364,7 @@ def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list
     )
     aliased = [line for t in tenants for line in _alias_settings(t)]
     suspended = [
-        f"tenant {t.name} suspended: {t.suspended_reason}"
+        f"tenant {t.name} suspended: {_shown(t.suspended_reason)}"
         for t in tenants
         if t.suspended and t.suspended_reason
     ]
@@ -1577,10 +1584,13 @@ def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
 
 
 def _suspension_note(k: apb.ApiKeyInfo) -> str:
-    """A suspended key's line under `key list`: since when (unknown to a
-    control plane older than reasons) and why."""
-    since = f" since {utc(k.suspended_at)}" if k.suspended_at else ""
-    return f"key {k.id} suspended{since}: {k.suspended_reason or 'no reason given'}"
+    """A suspended key's line under `key list`: since when and why (hidden
+    characters escaped, as in table cells). A key without a time was
+    suspended by, or listed by, a control plane older than reasons."""
+    if not k.suspended_at:
+        return f"key {k.id} suspended: since when and why unknown (an older control plane's)"
+    why = _shown(k.suspended_reason) or "no reason given"
+    return f"key {k.id} suspended since {utc(k.suspended_at)}: {why}"
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
@@ -2392,14 +2402,16 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str = "") -> str:
     lost = ("reason",) if suspended and reason and not k.suspended_reason else ()
     if current is not None and current.suspended == suspended:
         if suspended and reason and current.suspended_reason != k.suspended_reason:
-            return Shown(f"key {k.id} of tenant {k.tenant} was suspended: reason now {reason!r}")
+            return Shown(
+                f"key {k.id} of tenant {k.tenant} was suspended: reason now {_shown(reason)!r}"
+            )
         if suspended:
             return Shown(
                 f"key {k.id} of tenant {k.tenant} was already suspended: nothing changed", lost
             )
         return f"key {k.id} of tenant {k.tenant} was not suspended: nothing changed"
     if suspended:
-        because = f" ({k.suspended_reason})" if k.suspended_reason else ""
+        because = f" ({_shown(k.suspended_reason)})" if k.suspended_reason else ""
         return Shown(
             f"key {k.id} of tenant {k.tenant} suspended{because}: proxies refuse its callers "
             f"(403 api_key_suspended) once they take the next table; `pontoctl key resume "

@@ -996,8 +996,9 @@ class Tenant:
         blocks: dict[str, Any] = {"jwt": None}
         problems: list[InvalidArgument] = []
         try:
-            check_reason(f"{owner}: suspended_reason", self.suspended_reason)
-            if self.suspended_reason and not self.suspended:
+            reason = check_reason(f"{owner}: suspended_reason", self.suspended_reason.strip())
+            blocks["suspended_reason"] = reason
+            if reason and not self.suspended:
                 raise InvalidArgument(
                     f"{owner}: suspended_reason is given, but the tenant is not suspended"
                 )

@@ -283,15 +283,16 @@ def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:
     return "SuspendKey" if req.suspended else "ResumeKey"
 
 
-def suspension_changes(before: ApiKeyRecord | None, after: ApiKeyRecord) -> str:
+def suspension_changes(before: ApiKeyRecord | None, after: ApiKeyRecord, reason: str) -> str:
     """What a key's suspension or resumption did, as an entry's `changes`
-    says it: "nothing" for a key that already was (before None), else the
-    flag's change or, for a suspended key given another reason, the
-    reason's."""
+    says it (and `get audit`'s CHANGES column): "nothing" for a key that
+    already was (before None), else the flag's change with the call's
+    `reason`, or, for a suspended key given another reason, the reason's."""
     if before is None:
         return "nothing"
     if before.suspended != after.suspended:
-        return f"suspended {_flag(before.suspended)} -> {_flag(after.suspended)}"
+        because = f" ({reason})" if reason else ""
+        return f"suspended {_flag(before.suspended)} -> {_flag(after.suspended)}{because}"
     return f"reason {before.suspended_reason!r} -> {after.suspended_reason!r}"
 
 

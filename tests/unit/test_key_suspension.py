@@ -89,6 +89,10 @@ async def test_a_suspension_keeps_its_reason_and_time_until_the_key_is_resumed()
     # Suspended again: the time is the new suspension's, the old reason gone.
     again, _ = await catalog.set_key_suspended(record.id, True)
     assert (again.suspended_reason, again.suspended_at) == ("", 2000.0)
+    # The longest reason taken; spaces around one are not kept, nor one of spaces.
+    longest, _ = await catalog.set_key_suspended(record.id, True, " " + "x" * 200 + " ")
+    assert longest.suspended_reason == "x" * 200
+    assert (await catalog.set_key_suspended(record.id, True, "   "))[1] is None
 
 
 @pytest.mark.parametrize(
@@ -179,8 +183,8 @@ async def test_the_admin_api_keeps_a_reason_and_the_audit_trail_says_it() -> Non
             if e.action in ("SuspendKey", "ResumeKey") and e.result == "ok"
         )
         assert trail == [
-            ("ResumeKey", "new key deployed", "suspended true -> false"),
-            ("SuspendKey", "leaked", "suspended false -> true"),
+            ("ResumeKey", "new key deployed", "suspended true -> false (new key deployed)"),
+            ("SuspendKey", "leaked", "suspended false -> true (leaked)"),
             ("SuspendKey", "still leaked", "reason 'leaked' -> 'still leaked'"),
         ]
 
@@ -295,10 +299,15 @@ def test_key_list_says_since_when_and_why_each_suspended_key_is() -> None:
         apb.ApiKeyInfo(id="cccccccccc", tenant="acme"),
         apb.ApiKeyInfo(id="dddddddddd", tenant="acme", revoked=True, suspended=True),
     ]  # fmt: skip
+    keys[2].suspended, keys[2].suspended_at = True, 1.7e9  # no reason, hidden characters
+    keys.append(apb.ApiKeyInfo(id="eeeeeeeeee", tenant="acme", suspended=True,
+                               suspended_reason="\x1b[2Jgone", suspended_at=1.7e9))  # fmt: skip
     lines = pontoctl(Listing(keys[0], keys), "key", "list").splitlines()
-    assert lines[-2:] == [
+    assert lines[-4:] == [
         "key aaaaaaaaaa suspended since 2023-11-14T22:13:20Z: leaked in a CI log",
-        "key bbbbbbbbbb suspended: no reason given",
+        "key bbbbbbbbbb suspended: since when and why unknown (an older control plane's)",
+        "key cccccccccc suspended since 2023-11-14T22:13:20Z: no reason given",
+        "key eeeeeeeeee suspended since 2023-11-14T22:13:20Z: \\x1b[2Jgone",
     ]
     shown = orjson.loads(pontoctl(Listing(keys[0], keys), "key", "list", "-o", "json"))
     assert shown["keys"][0]["suspended_reason"] == "leaked in a CI log"

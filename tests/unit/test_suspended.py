@@ -5,6 +5,7 @@ side: tests/functional/test_suspended.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -141,6 +142,7 @@ def test_a_reason_is_stored_applied_and_exported_but_never_in_a_table() -> None:
         {"tenants": [{"name": "acme", "suspended": True, "suspended_reason": "invoice unpaid"}]}
     ).tenants
     assert applied == t.validated()
+    assert replace(t, suspended_reason=" unpaid ").validated().suspended_reason == "unpaid"
     assert document(tenants=[t])["tenants"][0]["suspended_reason"] == "invoice unpaid"
     assert tenant_changes(Tenant("acme", suspended=True), t) == (
         'suspended_reason unset -> "invoice unpaid"'
