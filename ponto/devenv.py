@@ -67,14 +67,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(_OWN_PORTS_LOW, low)  # noqa: S311 (not a secret)
-        if port in _reserved:
+        if port in _reserved or port in _given:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        # Not given again soon: its taker may not listen yet (etcd's client
+        # and peer ports, picked before etcd starts, met once in CI).
+        _given[port] = None
+        if len(_given) > _GIVEN_KEPT:
+            del _given[next(iter(_given))]
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         found: int = s.getsockname()[1]
@@ -86,6 +91,9 @@ _OWN_PORTS_LOW = 20000
 
 # Ports this process has promised to servers it has yet to start.
 _reserved: set[int] = set()
+# The ports free_port gave last, oldest first (a dict as an ordered set).
+_given: dict[int, None] = {}
+_GIVEN_KEPT = 512
 
 
 def reserve_ports(ports: Iterable[int]) -> None:

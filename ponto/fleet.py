@@ -149,6 +149,7 @@ class Fleet:
         assert self.etcd is not None, "start etcd first"
         if name in self.controls and listen.endswith(":0"):
             listen = self.controls[name].address
+        listen = _own_port(listen)
         ready = self._ready(name)
         security = self.security.control_args() if self.security else []
         argv = [*python_entry("controlplane"), "--etcd", self.etcd.url, "--listen", listen,
@@ -167,6 +168,7 @@ class Fleet:
         models: tuple[str, ...] = DEMO_MODELS,
         extra: list[str] | None = None,
     ) -> Managed:
+        listen = _own_port(listen)
         ready = self._ready(name)
         argv = [*python_entry("ponto.originsim"), "--listen", listen, "--region", region,
                 "--name", name, "--models", ",".join(models), "--ttft-ms", str(ttft_ms),
@@ -190,6 +192,7 @@ class Fleet:
         whatever the machine's cores, so that runs do not depend on the machine.
         Returned once it listens, or at once without `wait` (its address unknown)."""
         addresses = control_planes or [m.address for m in self.controls.values()]
+        listen = _own_port(listen)
         ready = self._ready(name)
         argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
                 "--listen", listen, "--region", region, "--name", name,
@@ -371,6 +374,18 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _own_port(listen: str) -> str:
+    """`listen` with port 0 on an IPv4 address made a free_port of its own:
+    the kernel picks port 0's from its ephemeral range, where, while a member
+    restarted on its address is down, an outgoing connection can take the
+    port as its own (one to that very address can even connect to itself)
+    and the member cannot bind it again (review 276)."""
+    host, _, port = listen.rpartition(":")
+    if port != "0" or not host or host.startswith("["):
+        return listen
+    return f"{host}:{free_port(host)}"
 
 
 def write_demo_geoip(path: Path) -> Path:

@@ -3,21 +3,49 @@ page listen (trial 33: the demo took fixed ports with no way to move them)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import pytest
 
+from ponto import demo, devenv
 from ponto.demo import fixed_ports, main, port_free
-from ponto.devenv import free_port
+from ponto.devenv import _ephemeral_low, free_port
 
 
 def free_block(size: int = 6) -> int:
-    """The first of `size` consecutive ports free a moment ago."""
+    """The first of `size` consecutive ports free a moment ago, all below the
+    kernel's ephemeral range (free_port's reasons)."""
     for _ in range(100):
         base = free_port()
-        if base + size <= 65535 and all(port_free(p) for p in range(base, base + size)):
+        if base + size <= _ephemeral_low() and all(port_free(p) for p in range(base, base + size)):
             return base
     raise AssertionError("no block of free ports")
+
+
+def test_the_demo_reserves_its_block_before_it_starts_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI: etcd or Redis, started first on free ports, took the block's second
+    port before the eu-west proxy could listen on it."""
+    monkeypatch.setattr(devenv, "_reserved", set())
+    seen: list[set[int]] = []
+
+    def start_demo_fleet(*args: object, **kwargs: object) -> None:
+        seen.append(set(devenv._reserved))
+        raise devenv.DevEnvError("stopped here")
+
+    monkeypatch.setattr(demo, "start_demo_fleet", start_demo_fleet)
+    monkeypatch.setattr(demo, "redis_available", lambda: False)
+    base = free_block()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(devenv.DevEnvError, match="stopped here"):
+            main(["--port-base", str(base), "--workdir", "/nonexistent-ponto-demo"])
+    finally:  # main() takes them over
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert seen == [set(range(base, base + 6))]
 
 
 def test_a_port_base_gives_five_ports_in_a_row() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from ponto import devenv
 from ponto.devenv import _ephemeral_low, free_port
+from ponto.fleet import _own_port
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_can_be_listened_on() -> None:
@@ -38,3 +39,36 @@ def test_a_reserved_port_is_never_given(monkeypatch: pytest.MonkeyPatch) -> None
     picks = {free_port() for _ in range(50)}
     assert not picks & kept
     assert 0 not in devenv._reserved
+
+
+def test_a_port_given_is_not_given_again_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two picks before either is listened on (etcd's client and peer ports)
+    must differ: 500 random ones of some 12,000 would meet at least once
+    almost surely."""
+    monkeypatch.setattr(devenv, "_given", {})
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+    assert len(devenv._given) == 500
+
+
+def test_the_ports_given_are_kept_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devenv, "_given", {})
+    monkeypatch.setattr(devenv, "_GIVEN_KEPT", 3)
+    ports = [free_port() for _ in range(5)]
+    assert list(devenv._given) == ports[-3:]
+
+
+@pytest.mark.parametrize(
+    ("listen", "kept"),
+    [("127.0.0.1:8080", True), ("[::1]:0", True), ("127.0.0.1:0", False), ("127.0.0.2:0", False)],
+)
+def test_a_fleet_member_on_port_0_gets_a_port_below_the_ephemeral_range(
+    listen: str, kept: bool
+) -> None:
+    """Restarted on its address, it finds it free (review 276)."""
+    got = _own_port(listen)
+    if kept:
+        assert got == listen
+    else:
+        host, _, port = got.rpartition(":")
+        assert host == listen.rpartition(":")[0] and 20000 <= int(port) < _ephemeral_low()
