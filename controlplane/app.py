@@ -209,6 +209,7 @@ class ControlPlane:
             audit=self.audit,
             metrics=self.metrics,
             loads=lambda: self.loads.loads,
+            suspensions=lambda: self.builder.suspensions,
             traffic_every=settings.traffic_interval,
         )
         self.web_runner: web.AppRunner | None = None

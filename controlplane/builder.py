@@ -19,6 +19,7 @@ from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
 from controlplane.store import StoreUnavailable
+from controlplane.suspensions import Suspensions, of_state
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class TableBuilder:
         self._read = asyncio.Event()
         self.store_ok = False
         self.builds = 0
+        # What is suspended in the state of the table last compiled (None
+        # before the first), for the status page; replaced whole by each
+        # build, reasons changed alone included (the table has no reasons,
+        # so such a change publishes nothing).
+        self.suspensions: Suspensions | None = None
 
     def wake(self) -> None:
         """Build again soon (debounced), as a change of the state does."""
@@ -96,7 +102,9 @@ class TableBuilder:
             # The raise wakes this builder (ControlPlane._renumbered).
             log.warning("%s; numbered above it now", below)
             return False
-        snap = self._publisher.publish(compile_table(state))
+        table = compile_table(state)
+        self.suspensions = of_state(state)
+        snap = self._publisher.publish(table)
         if snap is not None:
             log.info("route table version %d (etag %s…) published", snap.version, snap.etag[:12])
         return snap is not None

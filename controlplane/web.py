@@ -4,8 +4,9 @@
   /api/status`` the JSON it polls: regions with their origins and request
   rates, proxies with the table version they ACKed and their problems (a
   refused table, what they cannot use of theirs; `fleet_warnings`, what
-  every Admin write warns of), replicas, and tenants whose requests rate
-  limits refused or held for a slot lately.
+  every Admin write warns of), replicas, tenants whose requests rate
+  limits refused or held for a slot lately, and the suspended tenants and
+  keys (`suspended`: a key's reason, since when, whether it expired too).
 - ``POST /api/regions/{name}/drain`` and ``/undrain`` (and the same under
   ``/api/origins/``) write through the Catalog, as the Admin API's
   DrainRegion and DrainOrigin do, so the builder publishes a new table, and
@@ -76,6 +77,7 @@ from controlplane.load import continuation_warning
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
 from controlplane.rates import NamedRateMeter, RateMeter, WindowMeter
 from controlplane.registry import TRAFFIC_EVERY
+from controlplane.suspensions import Suspensions, status_rows
 from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
@@ -207,13 +209,16 @@ class StatusWeb:
         audit: Auditor | None = None,
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
+        suspensions: Callable[[], Suspensions | None] = lambda: None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         traffic_every: float = TRAFFIC_EVERY,
     ) -> None:
         """`traffic_every`: how often the replicas write their proxies'
-        reports (ProxyRegistry's, --traffic-interval-ms)."""
+        reports (ProxyRegistry's, --traffic-interval-ms). `suspensions`:
+        what is suspended in the state of this replica's latest table
+        (TableBuilder.suspensions), read from memory as the table is."""
         self._catalog = catalog
         self._traffic_every = traffic_every
         self._stale_after = STALE_REPORTS * traffic_every
@@ -227,6 +232,7 @@ class StatusWeb:
         self._audit = audit
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
+        self._suspensions = suspensions
         self._clock = clock
         # Times of wrong admin tokens: a step of the wall clock must not
         # stretch or end their window.
@@ -381,8 +387,9 @@ class StatusWeb:
         and drains from the latest table this replica compiled (none before its
         first), proxies and replicas read from etcd, and the tenants whose
         requests the proxies' rate limits refused or held for a slot over the
-        rates' window (`_tenant_row`). Reading the proxies is a sample of their
-        reports too (`sample`)."""
+        rates' window (`_tenant_row`), and what is suspended in the state that
+        table was compiled from (controlplane.suspensions). Reading the
+        proxies is a sample of their reports too (`sample`)."""
         proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
         replicas, leader = await self._catalog.list_replicas()
         replica_ids = {str(r.get("id", "")) for r in replicas}
@@ -453,6 +460,9 @@ class StatusWeb:
                 for name, tenant in sorted(rates.tenants.items())
                 if any(rate != 0.0 for rate in tenant)  # unknown (None) included
             ],
+            # Whose callers the proxies refuse (403): during an incident, a
+            # tenant's traffic that vanished may be an operator's doing.
+            "suspended": status_rows(self._suspensions(), now),
         }
 
     async def sample(self, now: float) -> None:

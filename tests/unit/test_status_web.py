@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 
 from controlplane.app import ControlPlane
+from controlplane.builder import TableBuilder
 from controlplane.catalog import REGIONS, STATE_PREFIX, Catalog, Limited, Served, Traffic
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
@@ -30,6 +31,7 @@ from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
+from controlplane.suspensions import LISTED
 from controlplane.web import (
     TOKEN_MISS_ADDRESSES,
     TOKEN_MISS_WINDOW_S,
@@ -1489,3 +1491,132 @@ def test_the_traffic_interval_is_a_setting() -> None:
     assert parse([]).traffic_interval == 5.0
     with pytest.raises(SystemExit):
         parse(["--traffic-interval-ms", "999"])
+
+
+# ---------------------------------------------------------------- suspensions
+
+
+NOTHING_SUSPENDED = {"tenants": [], "more_tenants": 0, "keys": [], "more_keys": 0}
+
+
+async def suspend(catalog: Catalog, clock: Clock, tenant: str, at: float, reason: str = "") -> str:
+    """A new key of `tenant`, suspended at `at` (`clock`: the catalog's) with `reason`."""
+    clock.now = at
+    key = (await catalog.create_key(tenant)).record.id
+    await catalog.set_key_suspended(key, True, reason)
+    return key
+
+
+async def test_suspended_tenants_and_keys_show_with_reason_since_and_expiry(
+    plane: Plane,
+) -> None:
+    """What an operator needs in an incident without pontoctl: whose callers
+    are refused, since when and why; read from what the builder keeps, no
+    read of the state per build."""
+    clock = Clock(500.0)
+    catalog = Catalog(plane.catalog.store, clock=clock)
+    await catalog.put_tenant(Tenant("acme", suspended=True), allow_update=False)
+    await catalog.put_tenant(Tenant("beta"), allow_update=False)
+    leaked = await suspend(catalog, clock, "beta", 500.0, "leaked in a CI log <b>")
+    # No reason given; its tenant is suspended too.
+    quiet = await suspend(catalog, clock, "acme", 600.0)
+    clock.now = 650.0
+    expiring = (await catalog.create_key("beta", expires_in=100)).record.id
+    await catalog.set_key_suspended(expiring, True, "abuse")
+    await catalog.create_key("beta")  # served: not listed
+    revoked = await suspend(catalog, clock, "beta", 700.0, "gone anyway")
+    await catalog.revoke_key(revoked)  # refused for good: no suspension to undo
+    builder = TableBuilder(catalog, plane.publisher)
+    await builder.build_once()
+    web = web_of(plane, suspensions=lambda: builder.suspensions)
+    store = plane.catalog.store
+    assert isinstance(store, CountingStore)
+    store.lists.clear()
+    status = await web.status(1_000.0)
+    assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]
+    assert status["suspended"] == {
+        "tenants": [{"name": "acme"}],
+        "more_tenants": 0,
+        "keys": [  # the most recent first
+            {
+                "id": expiring,
+                "tenant": "beta",
+                "tenant_suspended": False,
+                "since": 650.0,
+                "reason": "abuse",
+                "expired": True,  # at 750: both must be undone
+            },
+            {
+                "id": quiet,
+                "tenant": "acme",
+                "tenant_suspended": True,
+                "since": 600.0,
+                "reason": "",
+                "expired": False,
+            },
+            {
+                "id": leaked,
+                "tenant": "beta",
+                "tenant_suspended": False,
+                "since": 500.0,
+                "reason": "leaked in a CI log <b>",  # as given: the page shows it as text
+                "expired": False,
+            },
+        ],
+        "more_keys": 0,
+    }
+    # Before its expiry the key is suspended only.
+    assert [k["expired"] for k in (await web.status(700.0))["suspended"]["keys"]] == [
+        False,
+        False,
+        False,
+    ]
+
+
+async def test_a_reason_changed_alone_shows_though_no_table_is_published(plane: Plane) -> None:
+    """The table has no reasons: a new one publishes nothing, and the page
+    still shows it (and the resumed key goes)."""
+    clock = Clock(500.0)
+    catalog = Catalog(plane.catalog.store, clock=clock)
+    await catalog.put_tenant(Tenant("beta"), allow_update=False)
+    key = await suspend(catalog, clock, "beta", 500.0, "leaked")
+    builder = TableBuilder(catalog, plane.publisher)
+    await builder.build_once()
+    web = web_of(plane, suspensions=lambda: builder.suspensions)
+    await catalog.set_key_suspended(key, True, "leaked in a CI log")
+    assert not await builder.build_once()  # the same table: nothing published
+    [row] = (await web.status(1_000.0))["suspended"]["keys"]
+    assert (row["reason"], row["since"]) == ("leaked in a CI log", 500.0)
+    await catalog.set_key_suspended(key, False)
+    await builder.build_once()
+    assert (await web.status(1_000.0))["suspended"] == NOTHING_SUSPENDED
+
+
+async def test_the_suspended_lists_are_capped_and_say_how_many_more(plane: Plane) -> None:
+    clock = Clock(500.0)
+    catalog = Catalog(plane.catalog.store, clock=clock)
+    for i in range(LISTED + 2):
+        await catalog.put_tenant(Tenant(f"t{i:03d}", suspended=True), allow_update=False)
+    await catalog.put_tenant(Tenant("beta"), allow_update=False)
+    keys = [await suspend(catalog, clock, "beta", 100.0 + i) for i in range(LISTED + 3)]
+    builder = TableBuilder(catalog, plane.publisher)
+    await builder.build_once()
+    suspended = (await web_of(plane, suspensions=lambda: builder.suspensions).status(1_000.0))[
+        "suspended"
+    ]
+    assert [t["name"] for t in suspended["tenants"]] == [f"t{i:03d}" for i in range(LISTED)]
+    assert suspended["more_tenants"] == 2
+    # The 50 most recently suspended, the latest first; the 3 oldest counted.
+    assert [k["id"] for k in suspended["keys"]] == keys[::-1][:LISTED]
+    assert suspended["more_keys"] == 3
+
+
+async def test_the_replicas_page_shows_what_its_builder_read_as_suspended() -> None:
+    """The wiring of ponto-control: the page reads the table builder's."""
+    settings = parse(["--listen", "127.0.0.1:0", "--id", "r1"])
+    store = MemoryStore()
+    await Catalog(store).put_tenant(Tenant("acme", suspended=True), allow_update=False)
+    plane = ControlPlane(settings, store)
+    assert (await plane.web.status(1_000.0))["suspended"] == NOTHING_SUSPENDED  # no table yet
+    await plane.builder.build_once()
+    assert (await plane.web.status(1_000.0))["suspended"]["tenants"] == [{"name": "acme"}]
