@@ -297,6 +297,49 @@ function renderLimits(tenants) {
   document.getElementById("limits-none").hidden = rows.length > 0;
 }
 
+// A Unix time as pontoctl prints it (2026-12-06T20:55:01Z).
+function utc(seconds) {
+  return new Date(seconds * 1000).toISOString().replace(/\.\d+Z$/, "Z");
+}
+
+const NO_SINCE = "suspended by a control plane older than reasons: when is not known";
+const TENANT_ONLY = "a tenant's suspension keeps no time nor reason: `pontoctl get audit` has who "
+  + "suspended it and when";
+
+// The suspended tenants, then keys (the API's most recent first), one row
+// each; the section shows only while something is. A reason is an
+// operator's free text: set as text, as every name is.
+function renderSuspended(suspended, now) {
+  const tenants = suspended.tenants || [];
+  const keys = suspended.keys || [];
+  const rows = [
+    ...tenants.map((t) => el("tr", { "data-suspended-tenant": t.name },
+      el("td", {}, t.name),
+      el("td", { class: "all" }, "all its callers (403 tenant_suspended)"),
+      el("td", { title: TENANT_ONLY }, "–"),
+      el("td", { title: TENANT_ONLY }, "–"))),
+    ...keys.map((k) => el("tr", { "data-suspended-key": k.id },
+      el("td", {}, k.tenant),
+      el("td", {}, k.id,
+        // What must be undone besides: a key resumed alone would serve nothing.
+        k.tenant_suspended
+          ? el("span", { class: "why note" }, "its tenant is suspended too") : null,
+        k.expired ? el("span", { class: "why note" }, "expired too") : null),
+      k.since
+        ? el("td", { title: utc(k.since) }, `${utc(k.since)} (${age(Math.max(0, now - k.since))})`)
+        : el("td", { title: NO_SINCE }, "–"),
+      k.reason ? el("td", { class: "reason" }, k.reason) : el("td", { class: "none" }, "no reason given"))),
+  ];
+  document.querySelector("#suspended tbody").replaceChildren(...rows);
+  const more = [];
+  if (suspended.more_tenants) more.push(`${suspended.more_tenants} more tenants (\`pontoctl get tenants\`)`);
+  if (suspended.more_keys) more.push(`${suspended.more_keys} more keys, suspended earlier (\`pontoctl key list\`)`);
+  const note = document.getElementById("suspended-more");
+  note.textContent = more.length ? `Not listed here: ${more.join(" and ")}.` : "";
+  note.hidden = !more.length;
+  document.getElementById("suspended-section").hidden = !rows.length && !more.length;
+}
+
 function render(status) {
   writes = status.writes;
   document.getElementById("replica").textContent = status.replica;
@@ -315,6 +358,8 @@ function render(status) {
   renderProxies(status.proxies, status.departed || []);
   renderFleetWarnings(status.fleet_warnings || []);
   renderLimits(status.tenants || []);
+  // None from a replica older than the section.
+  renderSuspended(status.suspended || {}, status.now);
   // The rates' window: three of the replicas' report writes (--traffic-interval-ms).
   if (status.rates_window_s) {
     document.getElementById("rates-window").textContent = String(Math.round(status.rates_window_s));

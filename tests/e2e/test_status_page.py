@@ -801,3 +801,104 @@ def test_a_proxy_whose_registration_went_is_shown_as_departed(page: webdriver.Ch
         {**status, "departed": []},
     )
     assert none == "no proxy in this region: clients arrive elsewhere"
+
+
+DASH = "\u2013"  # what the page shows for a time or reason it does not have
+SUSPENDED_TENANT = "all its callers (403 tenant_suspended)"
+
+
+def suspended_rows(driver: webdriver.Chrome) -> list[list[str]]:
+    """The cells of the Suspended section's rows; [] while it is hidden."""
+    found = driver.execute_script(
+        "const section = document.getElementById('suspended-section');"
+        "return section.hidden ? [] : Array.from(section.querySelectorAll('tbody tr'),"
+        " (tr) => Array.from(tr.cells, (td) => td.textContent));"
+    )
+    return cast(list[list[str]], found)
+
+
+def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.Chrome) -> None:
+    """A reason is an operator's free text: shown, never parsed as markup; a
+    key says when its tenant is suspended too, or it expired too."""
+    since = 1_796_000_000.0  # 2026-11-30T00:53:20Z
+    key = {"id": "k1", "tenant": "beta", "tenant_suspended": False, "since": since,
+           "reason": HOSTILE, "expired": False}  # fmt: skip
+    suspended = {
+        "tenants": [{"name": HOSTILE}],
+        "more_tenants": 0,
+        "keys": [
+            key,
+            {**key, "id": "k2", "tenant": HOSTILE, "tenant_suspended": True, "reason": ""},
+            {**key, "id": "k3", "since": None, "reason": "abuse", "expired": True},
+        ],
+        "more_keys": 0,
+    }
+    status = {**FAKE_STATUS, "now": since + 300, "suspended": suspended}
+    shown = page.execute_script(
+        "render(arguments[0]);"
+        "return [document.getElementById('suspended-more').hidden,"
+        " document.querySelectorAll('main img').length,"
+        " document.querySelector('#suspended tr[data-suspended-key=\"k3\"]').cells[2].title];",
+        status,
+    )
+    assert suspended_rows(page) == [
+        [HOSTILE, SUSPENDED_TENANT, DASH, DASH],
+        ["beta", "k1", "2026-11-30T00:53:20Z (5 min ago)", HOSTILE],
+        [HOSTILE, "k2its tenant is suspended too", "2026-11-30T00:53:20Z (5 min ago)",
+         "no reason given"],
+        ["beta", "k3expired too", DASH, "abuse"],
+    ]  # fmt: skip
+    assert shown == [True, 0, "suspended by a control plane older than reasons: when is not known"]
+    assert page.execute_script("return window.pwned === undefined")
+    # More than the API lists: counted, with where to see them all.
+    more = page.execute_script(
+        "render(arguments[0]);"
+        "const note = document.getElementById('suspended-more');"
+        "return [note.hidden, note.textContent];",
+        {**status, "suspended": {**suspended, "more_tenants": 2, "more_keys": 7}},
+    )
+    assert more == [
+        False,
+        "Not listed here: 2 more tenants (`pontoctl get tenants`) and 7 more keys, "
+        "suspended earlier (`pontoctl key list`).",
+    ]
+    # Nothing suspended, or a replica older than the section: no section.
+    for quiet in (
+        {**status, "suspended": {"tenants": [], "more_tenants": 0, "keys": [], "more_keys": 0}},
+        FAKE_STATUS,
+    ):
+        hidden = page.execute_script(
+            "render(arguments[0]); return document.getElementById('suspended-section').hidden;",
+            quiet,
+        )
+        assert hidden is True
+
+
+def test_a_tenant_suspended_by_pontoctl_shows_on_the_page(
+    page: webdriver.Chrome, system: StatusFleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator whose tenant's traffic vanished sees why on the page."""
+    fleet = system.fleet
+    bundle = fleet.security
+    assert bundle is not None
+    tenant = pb.Tenant(name="acme")
+    fleet.admin().PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=False), timeout=10)
+    address = fleet.controls["control-1"].address
+
+    def set_suspended(on: str) -> None:
+        args = ["tenant", "set", "acme", "--suspended", on]
+        assert pontoctl(["--control-plane", address, *bundle.admin_args(), *args]) == 0
+
+    try:
+        assert suspended_rows(page) == []
+        set_suspended("on")
+        wait(
+            page,
+            lambda d: suspended_rows(d) == [["acme", SUSPENDED_TENANT, DASH, DASH]],
+            "acme never shown suspended",
+        )
+        set_suspended("off")
+        wait(page, lambda d: suspended_rows(d) == [], "acme still shown suspended")
+    finally:
+        fleet.admin().DeleteTenant(apb.DeleteRequest(name="acme"), timeout=10)
+    capsys.readouterr()
