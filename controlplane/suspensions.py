@@ -23,6 +23,13 @@ LISTED = 50
 
 
 @dataclass(frozen=True, slots=True)
+class SuspendedTenant:
+    name: str
+    # The operator's words ("" when none were given; never shown to callers).
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class SuspendedKey:
     id: str
     tenant: str
@@ -42,8 +49,8 @@ class Suspensions:
     """The suspended tenants and keys of one state. Immutable: shared by
     every page build that reads it while the builder replaces it whole."""
 
-    # Names, sorted.
-    tenants: tuple[str, ...] = ()
+    # By name.
+    tenants: tuple[SuspendedTenant, ...] = ()
     # Unrevoked keys of existing tenants (those the route table carries), the
     # most recently suspended first, those of unknown time last.
     keys: tuple[SuspendedKey, ...] = ()
@@ -53,7 +60,7 @@ def of_state(state: State) -> Suspensions:
     """The suspensions of `state`. Called once per table build, O(keys):
     a page build then only slices the result."""
     tenants = {t.name for t in state.tenants}
-    suspended = {t.name for t in state.tenants if t.suspended}
+    suspended = {t.name: t.suspended_reason for t in state.tenants if t.suspended}
     keys = [
         SuspendedKey(
             id=k.id,
@@ -69,7 +76,8 @@ def of_state(state: State) -> Suspensions:
         if k.suspended and not k.revoked and k.tenant in tenants
     ]
     keys.sort(key=lambda k: (-k.since, k.id))
-    return Suspensions(tuple(sorted(suspended)), tuple(keys))
+    by_name = tuple(SuspendedTenant(name, reason) for name, reason in sorted(suspended.items()))
+    return Suspensions(by_name, tuple(keys))
 
 
 def status_rows(s: Suspensions | None, now: float, limit: int = LISTED) -> dict[str, Any]:
@@ -77,7 +85,7 @@ def status_rows(s: Suspensions | None, now: float, limit: int = LISTED) -> dict[
     each kind and how many more there are. `s` None: no table built yet."""
     s = s or Suspensions()
     return {
-        "tenants": [{"name": name} for name in s.tenants[:limit]],
+        "tenants": [{"name": t.name, "reason": t.reason} for t in s.tenants[:limit]],
         "more_tenants": max(0, len(s.tenants) - limit),
         "keys": [
             {

@@ -303,7 +303,7 @@ function utc(seconds) {
 }
 
 const NO_SINCE = "suspended by a control plane older than reasons: when is not known";
-const TENANT_ONLY = "a tenant's suspension keeps no time nor reason: `pontoctl get audit` has who "
+const TENANT_SINCE = "a tenant's suspension keeps no time: `pontoctl get audit` has who "
   + "suspended it and when";
 
 // The suspended tenants, then keys (the API's most recent first), one row
@@ -316,8 +316,8 @@ function renderSuspended(suspended, now) {
     ...tenants.map((t) => el("tr", { "data-suspended-tenant": t.name },
       el("td", {}, t.name),
       el("td", { class: "all" }, "all its callers (403 tenant_suspended)"),
-      el("td", { title: TENANT_ONLY }, "–"),
-      el("td", { title: TENANT_ONLY }, "–"))),
+      el("td", { title: TENANT_SINCE }, "–"),
+      t.reason ? el("td", { class: "reason" }, t.reason) : el("td", { class: "none" }, "no reason given"))),
     ...keys.map((k) => el("tr", { "data-suspended-key": k.id },
       el("td", {}, k.tenant),
       el("td", {}, k.id,

@@ -824,7 +824,7 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
     key = {"id": "k1", "tenant": "beta", "tenant_suspended": False, "since": since,
            "reason": HOSTILE, "expired": False}  # fmt: skip
     suspended = {
-        "tenants": [{"name": HOSTILE}],
+        "tenants": [{"name": HOSTILE, "reason": HOSTILE}, {"name": "gamma", "reason": ""}],
         "more_tenants": 0,
         "keys": [
             key,
@@ -842,7 +842,8 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
         status,
     )
     assert suspended_rows(page) == [
-        [HOSTILE, SUSPENDED_TENANT, DASH, DASH],
+        [HOSTILE, SUSPENDED_TENANT, DASH, HOSTILE],
+        ["gamma", SUSPENDED_TENANT, DASH, "no reason given"],
         ["beta", "k1", "2026-11-30T00:53:20Z (5 min ago)", HOSTILE],
         [HOSTILE, "k2its tenant is suspended too", "2026-11-30T00:53:20Z (5 min ago)",
          "no reason given"],
@@ -885,16 +886,16 @@ def test_a_tenant_suspended_by_pontoctl_shows_on_the_page(
     fleet.admin().PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=False), timeout=10)
     address = fleet.controls["control-1"].address
 
-    def set_suspended(on: str) -> None:
-        args = ["tenant", "set", "acme", "--suspended", on]
+    def set_suspended(on: str, *reason: str) -> None:
+        args = ["tenant", "set", "acme", "--suspended", on, *reason]
         assert pontoctl(["--control-plane", address, *bundle.admin_args(), *args]) == 0
 
     try:
         assert suspended_rows(page) == []
-        set_suspended("on")
+        set_suspended("on", "--reason", "invoice unpaid")
         wait(
             page,
-            lambda d: suspended_rows(d) == [["acme", SUSPENDED_TENANT, DASH, DASH]],
+            lambda d: suspended_rows(d) == [["acme", SUSPENDED_TENANT, DASH, "invoice unpaid"]],
             "acme never shown suspended",
         )
         set_suspended("off")

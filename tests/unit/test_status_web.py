@@ -1515,7 +1515,9 @@ async def test_suspended_tenants_and_keys_show_with_reason_since_and_expiry(
     read of the state per build."""
     clock = Clock(500.0)
     catalog = Catalog(plane.catalog.store, clock=clock)
-    await catalog.put_tenant(Tenant("acme", suspended=True), allow_update=False)
+    await catalog.put_tenant(
+        Tenant("acme", suspended=True, suspended_reason="invoice unpaid"), allow_update=False
+    )
     await catalog.put_tenant(Tenant("beta"), allow_update=False)
     leaked = await suspend(catalog, clock, "beta", 500.0, "leaked in a CI log <b>")
     # No reason given; its tenant is suspended too.
@@ -1535,7 +1537,7 @@ async def test_suspended_tenants_and_keys_show_with_reason_since_and_expiry(
     status = await web.status(1_000.0)
     assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]
     assert status["suspended"] == {
-        "tenants": [{"name": "acme"}],
+        "tenants": [{"name": "acme", "reason": "invoice unpaid"}],
         "more_tenants": 0,
         "keys": [  # the most recent first
             {
@@ -1619,4 +1621,6 @@ async def test_the_replicas_page_shows_what_its_builder_read_as_suspended() -> N
     plane = ControlPlane(settings, store)
     assert (await plane.web.status(1_000.0))["suspended"] == NOTHING_SUSPENDED  # no table yet
     await plane.builder.build_once()
-    assert (await plane.web.status(1_000.0))["suspended"]["tenants"] == [{"name": "acme"}]
+    assert (await plane.web.status(1_000.0))["suspended"]["tenants"] == [
+        {"name": "acme", "reason": ""}
+    ]
