@@ -32,6 +32,10 @@ from dataplane.http.fields import default_applies
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+# Fields OpenAI allows only beside `tools` ("'parallel_tool_calls' is only
+# allowed when 'tools' are specified"): a tenant's default for one stays out
+# of a request without tools (trial 71: every such request got that 400).
+TOOL_FIELDS = frozenset({"tool_choice", "parallel_tool_calls"})
 RESPONSES_TOKEN_FIELDS = ("max_output_tokens",)
 
 
@@ -80,7 +84,11 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
         # A field set to null is left out as far as the proxy is concerned
         # (the cache key holds it so too); the SDKs send null for None
         # (trial 28: `"temperature": null` kept it, and skipped the default).
-        if body.get(name) is None and default_applies(endpoint, name):
+        if (
+            body.get(name) is None
+            and default_applies(endpoint, name)
+            and (name not in TOOL_FIELDS or body.get("tools"))
+        ):
             # A copy: a list or object default must not be shared by requests.
             body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True

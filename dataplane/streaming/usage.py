@@ -285,7 +285,9 @@ def usage_of(obj: object) -> Usage | None:
 
 # A delta with generated text, in compact or spaced JSON. An empty string
 # (the role chunk that opens every chat stream) is not text: the byte after
-# the opening quote must not be the closing one.
+# the opening quote must not be the closing one. The common ones first: a
+# content delta is found by the first search; the rest are searched only in
+# events that have none.
 _TEXT_MARKERS = (
     b'"content":"',
     b'"content": "',
@@ -295,6 +297,18 @@ _TEXT_MARKERS = (
     b'"arguments": "',
     b'"delta":"',  # Responses: response.output_text.delta and its kin
     b'"delta": "',
+    # Generated too, and paid for (trial 71: a cut reasoning stream was
+    # charged nothing): reasoning deltas (vLLM's and DeepSeek's
+    # reasoning_content, Ollama's and OpenRouter's reasoning), a refusal, and
+    # a custom tool call's input.
+    b'"reasoning_content":"',
+    b'"reasoning_content": "',
+    b'"reasoning":"',
+    b'"reasoning": "',
+    b'"refusal":"',
+    b'"refusal": "',
+    b'"input":"',
+    b'"input": "',
 )
 
 

@@ -107,6 +107,25 @@ def test_defaults_fill_only_what_the_client_left_out() -> None:
     assert (complete["temperature"], complete["seed"], complete["top_p"]) == (1.0, 1, 0.5)
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, "responses"])
+def test_a_tool_default_goes_only_into_a_request_with_tools(endpoint: str) -> None:
+    """Trial 71: OpenAI refuses `parallel_tool_calls` (and `tool_choice`)
+    without `tools`; a tenant's default added them to every request."""
+    rules = PromptRules(defaults={"parallel_tool_calls": False, "tool_choice": "auto"})
+    plain: dict[str, Any] = {"model": "m", "input": "hi"} if endpoint != CHAT else chat(USER)
+    assert assemble(endpoint, plain, rules) is False
+    assert "parallel_tool_calls" not in plain and "tool_choice" not in plain
+    tool = {"type": "function", "function": {"name": "f"}} if endpoint == CHAT else {
+        "type": "function", "name": "f"}  # fmt: skip
+    for no_tools in ([], None):
+        empty = {**plain, "tools": no_tools}
+        assemble(endpoint, empty, rules)
+        assert "parallel_tool_calls" not in empty
+    tooled = {**plain, "tools": [tool]}
+    assert assemble(endpoint, tooled, rules) is True
+    assert (tooled["parallel_tool_calls"], tooled["tool_choice"]) == (False, "auto")
+
+
 def test_an_enforced_system_prompt_goes_into_a_responses_request_without_input() -> None:
     """A stored prompt or a conversation needs no `input` (trial 8): the
     tenant's instructions still go in, and nothing reads an input that is not there."""
@@ -465,8 +484,23 @@ def test_usage_chunk_wins_over_counted_events(newline: str) -> None:
         '{"choices": [{"text": "x"}]}',
         '{"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{\\"a"}}]}}]}',
         '{"choices": [{"delta": {"tool_calls": [{"function": {"arguments": "{\\"a"}}]}}]}',
+        '{"choices":[{"delta":{"reasoning_content":"Let"}}]}',
+        '{"choices": [{"delta": {"reasoning": "Let"}}]}',
+        '{"choices":[{"delta":{"refusal":"I"}}]}',
+        '{"choices":[{"delta":{"tool_calls":[{"custom":{"input":"SELECT"}}]}}]}',
     ],
-    ids=["content", "content-spaced", "text", "text-spaced", "arguments", "arguments-spaced"],
+    ids=[
+        "content",
+        "content-spaced",
+        "text",
+        "text-spaced",
+        "arguments",
+        "arguments-spaced",
+        "reasoning_content",
+        "reasoning",
+        "refusal",
+        "custom-input",
+    ],
 )
 def test_text_events_are_counted_in_compact_and_spaced_json(event: str) -> None:
     tap = tap_all(sse(event, event), [])
@@ -477,6 +511,8 @@ def test_events_without_text_are_not_counted() -> None:
     stream = sse(
         '{"choices":[{"delta":{"role":"assistant"}}]}',
         '{"choices":[{"delta":{"content":null}}]}',
+        '{"choices":[{"delta":{"reasoning_content":""}}]}',
+        '{"type":"response.created","response":{"reasoning":{"effort":"low"}}}',
         '{"choices":[{"delta":{},"finish_reason":"length"}]}',
         "[DONE]",
     )
