@@ -86,6 +86,8 @@ class AccessRecord:
     model: str | None
     region: str  # of the origin that answered; the proxy's own otherwise
     origin: str | None
+    # The answering origin's own x-request-id, when not the proxy's (a hosted API's).
+    origin_request_id: str | None
     attempts: int  # origin calls made (failover, hedge and continuations included)
     route: str | None  # why that origin (x-ponto-route)
     # What affinity placed it by: the key's source and a MAC of its hash
@@ -154,7 +156,7 @@ def record(
     if ex is None:
         return AccessRecord(
             rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
-            key_id, None, region, None, 0, None, None, False, None, None, None, None, status,
+            key_id, None, region, None, None, 0, None, None, False, None, None, None, None, status,
             error or None, False, None, round((finished - started) * ms, 3), None, None, None,
         )  # fmt: skip
     plan = ex.cache
@@ -177,6 +179,7 @@ def record(
         model=ex.model or _asked_model(ex.body),
         region=ex.region or region,
         origin=ex.origin or None,
+        origin_request_id=ex.origin_request_id,
         attempts=ex.attempts,
         route=ex.route or None,
         placement=_placement(ex),

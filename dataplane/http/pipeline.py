@@ -205,6 +205,10 @@ class Exchange:
     # What the access log and the GenAI metrics report (dataplane.http.accesslog)
     origin: str = ""  # the origin that answered, and its region
     region: str = ""
+    # The x-request-id the answering origin gave it, when not ours (a hosted
+    # API's own, which its support asks for): reply.ORIGIN_REQUEST_ID_HEADER to the client
+    # (but on an error answer, which names no origin) and the access log.
+    origin_request_id: str | None = None
     # Origin calls made (OriginAnswer.calls): failed ones, hedges (won or
     # lost) and continuation calls (failed ones too) included.
     attempts: int = 0
@@ -689,6 +693,9 @@ class Pipeline:
                 ex.origin, ex.region = sent.target.name, sent.target.region
             raise
         ex.origin, ex.region = answer.target.name, answer.target.region
+        theirs = answer.headers.get("x-request-id")
+        if theirs is not None and theirs != ex.request_id:
+            ex.origin_request_id = theirs[: reply.MAX_ORIGIN_REQUEST_ID]
         ex.attempts = answer.calls
         ex.hedged = answer.hedged
         if answer.hedged:

@@ -63,6 +63,10 @@ if TYPE_CHECKING:
     from dataplane.http.pipeline import Exchange
 
 SIMILARITY = "x-ponto-cache-similarity"
+# The answering origin's own x-request-id, where the client gets the proxy's
+# (trial 71: a hosted API's `req_...`, which its support asks for, was lost).
+ORIGIN_REQUEST_ID_HEADER = "x-ponto-origin-request-id"
+MAX_ORIGIN_REQUEST_ID = 128  # as a client's own x-request-id is held to
 
 
 def _origin_headers(
@@ -73,6 +77,8 @@ def _origin_headers(
         target = origin.target
         headers["x-ponto-origin"] = target.name
         headers["x-ponto-region"] = target.region
+        if ex.origin_request_id is not None:
+            headers[ORIGIN_REQUEST_ID_HEADER] = ex.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)
     if origin.hedged:
         headers["x-ponto-hedged"] = "1"

@@ -14,6 +14,8 @@ from typing import Any
 
 import jwt
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane.http.accesslog import Sampler
@@ -25,9 +27,11 @@ from ponto.originsim.app import SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import (
+    COMPLETION,
     ID_KEY,
     KEY,
     LIMITED_KEY,
+    STREAM_203,
     Stack,
     chat,
     error_of,
@@ -628,3 +632,56 @@ async def test_a_jwt_its_tenants_config_cannot_check_is_refused_as_that_tenants(
         "ponto_tenant_requests_total", {"tenant": "badjwt", "key": "-", "code": "503"}
     )
     assert counted == 2.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], stream: bool
+) -> None:
+    """Trial 71: a hosted API's `x-request-id` (`req_...`, what its support
+    asks for) was replaced by the proxy's and written nowhere. Now the client
+    gets it as x-ponto-origin-request-id and the access line as
+    origin_request_id; an error answer, which names no origin, only the log;
+    an origin that echoes the proxy's id adds nothing."""
+    answers = iter(["req_hosted_1", "req_hosted_2", None])
+
+    async def hosted(request: web.Request) -> web.StreamResponse:
+        theirs = next(answers) or request.headers["x-request-id"]  # the last one echoes ours
+        if json.loads(await request.read())["messages"][0]["content"] == "refuse me":
+            return web.json_response(
+                {"error": {"message": "no", "type": "invalid_request_error", "code": None}},
+                status=400,
+                headers={"x-request-id": theirs},
+            )
+        if not stream:
+            return web.json_response(COMPLETION, headers={"x-request-id": theirs})
+        out = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "x-request-id": theirs}
+        )
+        await out.prepare(request)
+        await out.write(STREAM_203)
+        await out.write_eof()
+        return out
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", hosted)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    s = await start_stack(tmp_path, [], ["--access-log=on"])
+    s.others.append(origin)
+    s.app[HOLDER].apply(table([("custom", str(origin.make_url("/v1")))], version=3), "cp")
+    try:
+        ok = await s.post(chat("whose id", stream=stream, temperature=0.5))
+        await ok.read()
+        assert ok.headers["x-ponto-origin-request-id"] == "req_hosted_1"
+        assert ok.headers["x-request-id"] != "req_hosted_1"  # the proxy's, as ever
+        refused = await s.post(chat("refuse me", stream=stream, temperature=0.5))
+        await refused.read()
+        assert refused.status == 400 and "x-ponto-origin-request-id" not in refused.headers
+        echoed = await s.post(chat("echo", stream=stream, temperature=0.5))
+        await echoed.read()
+        assert "x-ponto-origin-request-id" not in echoed.headers
+        logged = [line["origin_request_id"] for line in lines(s, capfd)]
+        assert logged == ["req_hosted_1", "req_hosted_2", None]
+    finally:
+        await s.close()
