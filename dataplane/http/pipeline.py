@@ -67,6 +67,7 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
+from dataplane.http.requestid import accepted_client_id
 from dataplane.http.resume import (
     CONTINUABLE,
     Continuations,
@@ -695,7 +696,9 @@ class Pipeline:
         ex.origin, ex.region = answer.target.name, answer.target.region
         theirs = answer.headers.get("x-request-id")
         if theirs is not None and theirs != ex.request_id:
-            ex.origin_request_id = theirs[: reply.MAX_ORIGIN_REQUEST_ID]
+            # Held to a client's own id's rules: an origin's control character
+            # would fail the client's answer, a lone surrogate its log line.
+            ex.origin_request_id = accepted_client_id(theirs)
         ex.attempts = answer.calls
         ex.hedged = answer.hedged
         if answer.hedged:
@@ -1037,6 +1040,8 @@ class Pipeline:
                 ex.continued = resume.count
                 if resume.count:
                     ex.origin, ex.region = resume.origin, resume.region
+                    # The first origin's id would be read as the finisher's.
+                    ex.origin_request_id = None
             # Before anything reads it (settlement, a leaving client's record).
             counter.usage = self.believe(
                 ex,

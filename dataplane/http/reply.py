@@ -66,7 +66,6 @@ SIMILARITY = "x-ponto-cache-similarity"
 # The answering origin's own x-request-id, where the client gets the proxy's
 # (trial 71: a hosted API's `req_...`, which its support asks for, was lost).
 ORIGIN_REQUEST_ID_HEADER = "x-ponto-origin-request-id"
-MAX_ORIGIN_REQUEST_ID = 128  # as a client's own x-request-id is held to
 
 
 def _origin_headers(

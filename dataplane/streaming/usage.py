@@ -283,32 +283,17 @@ def usage_of(obj: object) -> Usage | None:
     return _from_usage(usage)
 
 
-# A delta with generated text, in compact or spaced JSON. An empty string
-# (the role chunk that opens every chat stream) is not text: the byte after
-# the opening quote must not be the closing one. The common ones first: a
-# content delta is found by the first search; the rest are searched only in
-# events that have none.
-_TEXT_MARKERS = (
-    b'"content":"',
-    b'"content": "',
-    b'"text":"',
-    b'"text": "',
-    b'"arguments":"',
-    b'"arguments": "',
-    b'"delta":"',  # Responses: response.output_text.delta and its kin
-    b'"delta": "',
-    # Generated too, and paid for (trial 71: a cut reasoning stream was
-    # charged nothing): reasoning deltas (vLLM's and DeepSeek's
-    # reasoning_content, Ollama's and OpenRouter's reasoning), a refusal, and
-    # a custom tool call's input.
-    b'"reasoning_content":"',
-    b'"reasoning_content": "',
-    b'"reasoning":"',
-    b'"reasoning": "',
-    b'"refusal":"',
-    b'"refusal": "',
-    b'"input":"',
-    b'"input": "',
+# A delta with generated text, in compact or spaced JSON: content, text,
+# tool-call arguments, Responses' deltas (response.output_text.delta and its
+# kin), and (trial 71: a cut reasoning stream was charged nothing) reasoning
+# (vLLM's and DeepSeek's reasoning_content, Ollama's and OpenRouter's
+# reasoning), a refusal and a custom tool call's input. An empty string (the
+# role chunk that opens every chat stream) is not text: the byte after the
+# opening quote must not be the closing one. A compact content delta, most
+# events of most streams, is found by one search; the rest by one regex.
+_CONTENT = b'"content":"'
+_TEXT = re.compile(
+    rb'"(?:content|text|arguments|delta|reasoning_content|reasoning|refusal|input)": ?"[^"]'
 )
 
 
@@ -317,14 +302,10 @@ FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([a-z_]{1,64})"')
 
 
 def _has_text(event: bytes) -> bool:
-    for marker in _TEXT_MARKERS:
-        at = event.find(marker)
-        while at >= 0:
-            end = at + len(marker)
-            if end < len(event) and event[end] != 0x22:  # '"'
-                return True
-            at = event.find(marker, end)
-    return False
+    end = event.find(_CONTENT) + len(_CONTENT)
+    if len(_CONTENT) <= end < len(event) and event[end] != 0x22:  # '"'
+        return True
+    return _TEXT.search(event) is not None
 
 
 def _finished_choices(data: bytes) -> list[int]:

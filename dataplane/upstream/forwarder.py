@@ -1798,7 +1798,9 @@ def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     """The origin's headers the client is sent: not those dropped above, nor
     those its Connection header names, hop-by-hop by its say (RFC 9110
     7.6.1; trial 36: `Connection: x-node` and `x-node: node-7.internal`
-    reached clients)."""
+    reached clients), nor one whose value holds a control character or
+    bytes that are not UTF-8 (review 279: the answer's head then failed to
+    be written, and the client's connection was reset)."""
     hop = _connection_options(resp.headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in resp.headers.items():
@@ -1807,6 +1809,7 @@ def _copy(resp: OriginResponse) -> CIMultiDict[str]:
             lower not in DROP_RESPONSE_HEADERS
             and not lower.startswith(DROP_RESPONSE_PREFIXES)
             and lower not in hop
+            and value.isprintable()
         ):
             out.add(name, value)
     return out

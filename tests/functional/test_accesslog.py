@@ -643,7 +643,8 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
     gets it as x-ponto-origin-request-id and the access line as
     origin_request_id; an error answer, which names no origin, only the log;
     an origin that echoes the proxy's id adds nothing."""
-    answers = iter(["req_hosted_1", "req_hosted_2", None])
+    # The last as no client's id is taken: with a space.
+    answers = iter(["req_hosted_1", "req_hosted_2", None, "two words"])
 
     async def hosted(request: web.Request) -> web.StreamResponse:
         theirs = next(answers) or request.headers["x-request-id"]  # the last one echoes ours
@@ -681,7 +682,58 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
         echoed = await s.post(chat("echo", stream=stream, temperature=0.5))
         await echoed.read()
         assert "x-ponto-origin-request-id" not in echoed.headers
+        spaced = await s.post(chat("spaced", stream=stream, temperature=0.5))
+        assert spaced.status == 200 and await spaced.read()
+        assert "x-ponto-origin-request-id" not in spaced.headers
         logged = [line["origin_request_id"] for line in lines(s, capfd)]
-        assert logged == ["req_hosted_1", "req_hosted_2", None]
+        assert logged == ["req_hosted_1", "req_hosted_2", None, None]
     finally:
         await s.close()
+
+
+@pytest.mark.parametrize(
+    "value", [b"\x1b[31mred", b"\xff\xfeabc"], ids=["control-character", "not-utf-8"]
+)
+async def test_an_origin_header_no_client_could_be_sent_is_dropped_not_fatal(
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    value: bytes,
+) -> None:
+    """Review 279: an origin's `x-request-id` (or any header it sends on)
+    with a control character reset the client's connection, the proxy
+    failing to write the answer's head; one not UTF-8 lost its access line.
+    Such a header is dropped: the answer and its line are whole."""
+    body = json.dumps(COMPLETION).encode()
+
+    async def raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )  # fmt: skip
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"x-request-id: " + value + b"\r\nx-other: " + value + b"\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(raw, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    s = await start_stack(tmp_path, [], ["--access-log=on"])
+    s.app[HOLDER].apply(table([("custom", f"http://127.0.0.1:{port}/v1")], version=3), "cp")
+    try:
+        resp = await s.post(chat("raw", temperature=0.5))
+        assert resp.status == 200
+        assert (await resp.json())["choices"]
+        assert "x-other" not in resp.headers and "x-ponto-origin-request-id" not in resp.headers
+        [line] = lines(s, capfd)
+        assert line["origin_request_id"] is None and line["status"] == 200
+        assert errors(caplog.records, tracebacks=True) == []
+    finally:
+        await s.close()
+        server.close()
+        await server.wait_closed()
