@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from dataplane.geo.clientip import TrustedProxies
     from dataplane.http.pipeline import Exchange
 
-__all__ = ["AccessLog", "AccessRecord", "Sampler", "record", "rfc3339"]
+__all__ = ["AccessLog", "AccessRecord", "OriginCall", "Sampler", "record", "rfc3339"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,20 @@ class AccessRecord:
         return jsonio.dumps(self) + b"\n"
 
 
+@dataclass(slots=True)
+class OriginCall:
+    """The origin call of a request without an Exchange (a stored response's
+    route, dataplane.http.stored), as its access line reports it: what an
+    Exchange's `origin`, `region`, `origin_request_id` and `attempts` say of
+    a proxied request. Its handler notes it in request[ORIGIN_CALL] (state)
+    as the call ends; the error boundary reads it once the handler returns."""
+
+    origin: str = ""  # the origin that answered ("" for none), and its region
+    region: str = ""
+    origin_request_id: str | None = None
+    attempts: int = 0  # calls made, failed ones included
+
+
 def rfc3339(t: float) -> str:
     """`t` (seconds since the epoch) as ``2026-12-01T01:02:03.456Z``."""
     whole = int(t)
@@ -144,20 +158,24 @@ def record(
     error: str,
     started: float,
     finished: float,
+    call: OriginCall | None = None,
 ) -> AccessRecord:
     """The record of one answer. `ended` is wall-clock time (the `ts`);
     `started`, `finished` and the Exchange's first-chunk time are
-    time.perf_counter() readings. `region` is the proxy's own (the Exchange
-    says which origin's region answered, when one did). Pure."""
+    time.perf_counter() readings. `region` is the proxy's own (the Exchange,
+    or without one `call`, says which origin's region answered, when one
+    did). Pure."""
     ms = 1000.0
     tenant = key_id = None
     if principal is not None:
         tenant, key_id = principal.tenant, principal.key_id or None
     if ex is None:
+        call = call or _NO_CALL
         return AccessRecord(
             rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
-            key_id, None, region, None, None, 0, None, None, False, None, None, None, None, status,
-            error or None, False, None, round((finished - started) * ms, 3), None, None, None,
+            key_id, None, call.region or region, call.origin or None, call.origin_request_id,
+            call.attempts, None, None, False, None, None, None, None, status, error or None, False,
+            None, round((finished - started) * ms, 3), None, None, None,
         )  # fmt: skip
     plan = ex.cache
     usage = ex.usage
@@ -199,6 +217,9 @@ def record(
         trace_id=trace_id,
         span_id=span_id,
     )
+
+
+_NO_CALL: Final = OriginCall()  # read only
 
 
 def _placement(ex: Exchange) -> str | None:

@@ -33,6 +33,7 @@ from dataplane.http.state import (
     DRAINING,
     EXCHANGE,
     METRICS,
+    ORIGIN_CALL,
     PRINCIPAL,
     REQUEST_ID,
     REQUEST_IDS,
@@ -421,7 +422,8 @@ def _access_line(
     *,
     unparsed: bool = False,
 ) -> None:
-    """Write the answer's access-log line (the caller has sampled it).
+    """Write the answer's access-log line (the caller has sampled it). A
+    request without an Exchange that called an origin noted it in ORIGIN_CALL.
 
     No line for a request over a unix socket: a sibling worker asking for this
     one's /metrics or /readyz (dataplane.workers), not a client."""
@@ -444,6 +446,7 @@ def _access_line(
             error=error,
             started=started,
             finished=finished,
+            call=request.get(ORIGIN_CALL) if ex is None else None,
         )
     )
 

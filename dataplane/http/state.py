@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from dataplane.auth.authenticator import Principal
-from dataplane.http.accesslog import AccessLog
+from dataplane.http.accesslog import AccessLog, OriginCall
 from dataplane.http.requestid import RequestIds
 from dataplane.metrics import Metrics
 from dataplane.sync.holder import TableHolder
@@ -72,3 +72,6 @@ REQUEST_ID = web.RequestKey("request_id", str)
 EXCHANGE: web.RequestKey[Exchange] = web.RequestKey("exchange")
 # The caller of an endpoint outside the pipeline (GET /v1/models), for accounting.
 PRINCIPAL = web.RequestKey("principal", Principal)
+# The origin call of a request outside the pipeline (a stored response's
+# route), for its access line.
+ORIGIN_CALL = web.RequestKey("origin_call", OriginCall)

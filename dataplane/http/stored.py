@@ -23,11 +23,17 @@ or no answer as the fixed 502 (no other origin is tried).
 
 No Exchange: these calls are no inference (no GenAI metrics, no cache, no
 placement); the error boundary counts and logs them under their route's name,
-for the caller noted in PRINCIPAL.
+for the caller noted in PRINCIPAL, with the origin call noted in ORIGIN_CALL
+(the access line's origin, region, origin_request_id and attempts, as a
+proxied request's). An answer names its origin as a proxied one does
+(`x-ponto-origin`, `x-ponto-region`, and `x-ponto-origin-request-id` for the
+origin's own request id; none on an error), and its `x-request-id` is the
+proxy's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
+from dataplane.http.accesslog import OriginCall
 from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
@@ -52,11 +59,12 @@ from dataplane.http.pipeline import (
     refuse_suspended,
     sole_authorization,
 )
-from dataplane.http.reply import Rewritten
-from dataplane.http.state import DRAINING, PRINCIPAL, REQUEST_ID, SERVER_NAME
+from dataplane.http.reply import ORIGIN_REQUEST_ID_HEADER, Rewritten
+from dataplane.http.requestid import accepted_client_id
+from dataplane.http.state import DRAINING, ORIGIN_CALL, PRINCIPAL, REQUEST_ID, SERVER_NAME
 from dataplane.streaming.relay import next_sequence_number, relay
 from dataplane.streaming.sse import Event
-from dataplane.upstream.forwarder import OriginAnswer
+from dataplane.upstream.forwarder import OriginAnswer, Sent
 from dataplane.upstream.responseids import (
     MAX_ID_CHARS,
     Decoded,
@@ -187,9 +195,12 @@ async def _call(
     query = request.rel_url.raw_query_string
     if query:
         path += "?" + query
-    headers = forwarder.request_headers(request.headers, request[REQUEST_ID])
+    ours = request[REQUEST_ID]
+    headers = forwarder.request_headers(request.headers, ours)
     headers.popall("content-type", None)  # no body
     idle = pipeline.stream_idle_timeout if stream else None
+    called = request[ORIGIN_CALL] = OriginCall()
+    made = Sent()
     try:
         origin = await forwarder.forward(
             path,
@@ -200,10 +211,23 @@ async def _call(
             first_chunk_within=idle,
             method=action.method,
             tenant=tenant,
+            sent=made,
         )
     except ApiError as exc:
+        # As a proxied request's (Pipeline.forward): an error names no origin.
+        called.attempts = exc.attempts
         exc.headers.update(limits)
         raise
+    except asyncio.CancelledError:
+        called.attempts = made.calls  # its client left after the call was sent
+        if made.target is not None:
+            called.origin, called.region = made.target.name, made.target.region
+        raise
+    called.origin, called.region = origin.target.name, origin.target.region
+    called.attempts = origin.calls
+    theirs = origin.headers.get("x-request-id")
+    if theirs is not None and theirs != ours:
+        called.origin_request_id = accepted_client_id(theirs)  # as Pipeline.forward's
     try:
         tag = target.id_tag
         if origin.streamed and origin.status < 300:
@@ -211,9 +235,9 @@ async def _call(
                 lambda ids: _shown(decoded, sent, signer, tag, ids),
                 forwarder.max_answer_bytes,
             )
-            return await _relay(pipeline, request, origin, learned, limits, idle)
+            return await _relay(pipeline, request, origin, called, learned, limits, idle)
         body = origin.body if origin.body is not None else origin.first
-        out_headers = _headers(origin, limits, error=origin.status >= 400)
+        out_headers = _headers(origin, called, limits, error=origin.status >= 400)
         if origin.status >= 400:
             body = origin_error_body(origin.status, media_type(origin.headers), body)
             # The origin's message names its own id: the client's is shown.
@@ -243,14 +267,19 @@ def _shown(
 
 
 def _headers(
-    origin: OriginAnswer, limits: list[tuple[str, str]], *, error: bool
+    origin: OriginAnswer, called: OriginCall, limits: list[tuple[str, str]], *, error: bool
 ) -> CIMultiDict[str]:
-    """As reply's for a proxied answer: the origin's (none on an error), then
-    where it came from (not on an error), the attempts and the caller's limits."""
+    """As reply's for a proxied answer: the origin's (none on an error) but
+    its x-request-id, then where it came from and the origin's own request id
+    (not on an error), the attempts and the caller's limits. The answer's
+    x-request-id is the proxy's: the boundary's, or _relay's."""
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
     if not error:
+        headers.popall("x-request-id", None)
         headers["x-ponto-origin"] = origin.target.name
         headers["x-ponto-region"] = origin.target.region
+        if called.origin_request_id is not None:
+            headers[ORIGIN_REQUEST_ID_HEADER] = called.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)
     for name, value in limits:
         headers[name] = value
@@ -261,13 +290,15 @@ async def _relay(
     pipeline: Pipeline,
     request: web.Request,
     origin: OriginAnswer,
+    called: OriginCall,
     shown: StreamIds,
     limits: list[tuple[str, str]],
     idle: float | None,
 ) -> web.StreamResponse:
     """A stored response streamed again (`?stream=true`), relayed as a
     Responses stream is: cut, it ends with a numbered error event."""
-    out = web.StreamResponse(status=origin.status, headers=_headers(origin, limits, error=False))
+    headers = _headers(origin, called, limits, error=False)
+    out = web.StreamResponse(status=origin.status, headers=headers)
     out.headers["cache-control"] = "no-cache"
     out.headers[hdrs.SERVER] = SERVER_NAME
     out.headers["x-request-id"] = request[REQUEST_ID]

@@ -6,6 +6,7 @@ output (pytest's capfd)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -737,3 +738,137 @@ async def test_an_origin_header_no_client_could_be_sent_is_dropped_not_fatal(
         await s.close()
         server.close()
         await server.wait_closed()
+
+
+STORED = {
+    "id": "resp_far1",
+    "object": "response",
+    "created_at": 1,
+    "status": "completed",
+    "model": "sim-small",
+    "output": [],
+    "previous_response_id": None,
+    "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2},
+}
+
+
+async def test_a_stored_responses_routes_log_the_origin_that_answered(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 71: GET /v1/responses/{id} at a proxy of another region than the
+    storing origin answered with `x-ponto-origin`, but its line said origin
+    null, attempts 0 and the proxy's region (the stored routes make no
+    Exchange), and the origin's own x-request-id was the answer's. Now a
+    stored route's line names the origin, its region, its request id and the
+    calls, as a proxied request's does (an error answer: none; calls made);
+    the answer's x-request-id is the proxy's, the origin's is
+    x-ponto-origin-request-id."""
+    theirs = (f"req_far_{n}" for n in range(1, 100))
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    def answer(body: Any, status: int = 200) -> web.Response:
+        return web.json_response(body, status=status, headers={"x-request-id": next(theirs)})
+
+    async def create(request: web.Request) -> web.StreamResponse:
+        return answer(STORED)
+
+    async def retrieve(request: web.Request) -> web.StreamResponse:
+        if request.query.get("stream") != "true":
+            return answer(STORED)
+        out = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "x-request-id": next(theirs)}
+        )
+        await out.prepare(request)
+        for n, kind in enumerate(("response.created", "response.completed")):
+            event = {"type": kind, "sequence_number": n, "response": STORED}
+            await out.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+        await out.write_eof()
+        return out
+
+    async def delete(request: web.Request) -> web.StreamResponse:
+        return answer({"id": STORED["id"], "object": "response.deleted", "deleted": True})
+
+    async def cancel(request: web.Request) -> web.StreamResponse:
+        error = {"message": "Cannot cancel a synchronous response.", "param": None, "code": None}
+        return answer({"error": {**error, "type": "invalid_request_error"}}, 400)
+
+    async def input_items(request: web.Request) -> web.StreamResponse:
+        if request.query.get("hang") == "1":  # until its client has left
+            arrived.set()
+            await release.wait()
+        return answer({"error": {"message": "down"}}, 500)
+
+    far_app = web.Application()
+    far_app.router.add_post("/v1/responses", create)
+    far_app.router.add_get("/v1/responses/{id}", retrieve)
+    far_app.router.add_delete("/v1/responses/{id}", delete)
+    far_app.router.add_post("/v1/responses/{id}/cancel", cancel)
+    far_app.router.add_get("/v1/responses/{id}/input_items", input_items)
+    far = TestServer(far_app)
+    await far.start_server()
+    s = await start_stack(tmp_path, [], ["--access-log=on"])
+    s.others.append(far)
+    t = table([("far", str(far.make_url("/v1")))], version=3)
+    t.regions.add(name="r2", latitude=40.0, longitude=100.0)
+    t.origins[0].region = "r2"  # the proxy's is r1
+    t.etag = content_etag(t)
+    s.app[HOLDER].apply(t, "control-plane")
+    auth = {"authorization": f"Bearer {KEY.key}"}
+    try:
+        made = await s.client.post(
+            "/v1/responses", json={"model": "sim-small", "input": "x"}, headers=auth
+        )
+        assert made.status == 200, await made.text()
+        one = f"/v1/responses/{(await made.json())['id']}"
+        calls = [
+            ("GET", one, 200),
+            ("GET", one + "?stream=true", 200),
+            ("DELETE", one, 200),
+            ("POST", one + "/cancel", 400),
+            ("GET", one + "/input_items", 502),
+        ]
+        for n, (method, path, status) in enumerate(calls, start=2):
+            mine = {**auth, "x-request-id": f"mine-{n}"}
+            resp = await s.client.request(method, path, headers=mine)
+            await resp.read()
+            assert resp.status == status, (path, await resp.text())
+            assert resp.headers["x-ponto-attempts"] == "1"
+            assert resp.headers["x-request-id"] == f"mine-{n}", path  # not the origin's
+            if status == 200:
+                assert resp.headers["x-ponto-origin"] == "far", path
+                assert resp.headers["x-ponto-region"] == "r2", path
+                assert resp.headers["x-ponto-origin-request-id"] == f"req_far_{n}", path
+            else:  # an error answer names no origin
+                assert "x-ponto-origin-request-id" not in resp.headers, path
+        leaving = asyncio.create_task(s.client.get(one + "/input_items?hang=1", headers=auth))
+        await arrived.wait()
+        leaving.cancel()
+        registry = s.app[METRICS].registry
+        for _ in range(500):  # its handler is cancelled a few loop turns later
+            labels = {"endpoint": "responses.input_items", "code": "499"}
+            if registry.get_sample_value("ponto_requests_total", labels):
+                break
+            await asyncio.sleep(0.01)
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaving
+        logged = [
+            (line["endpoint"], line["status"], line["origin"], line["region"],
+             line["origin_request_id"], line["attempts"])
+            for line in lines(s, capfd)
+        ]  # fmt: skip
+        assert logged == [
+            ("responses", 200, "far", "r2", "req_far_1", 1),
+            ("responses.retrieve", 200, "far", "r2", "req_far_2", 1),
+            ("responses.retrieve", 200, "far", "r2", "req_far_3", 1),
+            ("responses.delete", 200, "far", "r2", "req_far_4", 1),
+            # The origin's own error answer: its origin and id, as a proxied one's.
+            ("responses.cancel", 400, "far", "r2", "req_far_5", 1),
+            # No answer (a 5xx is the fixed 502): the call made, no origin.
+            ("responses.input_items", 502, None, "r1", None, 1),
+            # Its client left once the call was sent (a 499): the call, its origin.
+            ("responses.input_items", 499, "far", "r2", None, 1),
+        ]
+    finally:
+        release.set()
+        await s.close()
