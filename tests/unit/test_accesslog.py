@@ -40,9 +40,9 @@ from ponto.v1 import routing_pb2 as pb
 
 FIELDS = {
     "ts", "request_id", "method", "path", "endpoint", "client", "tenant", "key_id", "model",
-    "region", "origin", "origin_request_id", "attempts", "route", "placement", "hedged", "cache", "cache_reason",
-    "cache_kind", "cache_tier", "status", "error", "stream", "ttft_ms", "duration_ms",
-    "input_tokens", "output_tokens", "cached_tokens", "trace_id", "span_id",
+    "region", "origin", "origin_request_id", "attempts", "route", "placement", "hedged", "cache",
+    "cache_reason", "cache_kind", "cache_tier", "status", "error", "stream", "ttft_ms",
+    "duration_ms", "input_tokens", "output_tokens", "cached_tokens", "trace_id", "span_id",
 }  # fmt: skip
 
 
