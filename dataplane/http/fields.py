@@ -1053,9 +1053,12 @@ def _best_of_at_least_n(body: dict[str, Any], stream: bool) -> None:
         raise invalid_value("best_of", "must be greater than or equal to 'n'")
 
 
-def _tool_choice_names_a_tool(*, flat: bool) -> Cross:
+def _tool_choice_names_a_tool(*, flat: bool, prompts: bool = False) -> Cross:
     """tool_choice needs tools, and a named choice a tool of that name and type.
-    `flat`: the name sits on the tool and the choice themselves (Responses)."""
+    `flat`: the name sits on the tool and the choice themselves (Responses).
+    `prompts`: a stored `prompt` may hold tools (Responses); a request with
+    one has its choice checked by the origin, which alone knows the prompt's
+    tools (trial 71: `required` with a prompt and no `tools` was refused)."""
 
     def name_of(item: dict[str, Any]) -> object:
         inner = item if flat else item.get(item["type"])
@@ -1064,6 +1067,8 @@ def _tool_choice_names_a_tool(*, flat: bool) -> Cross:
     def cross(body: dict[str, Any], stream: bool) -> None:
         choice = body.get("tool_choice")
         if choice is None or choice in ("none", "auto"):
+            return
+        if prompts and body.get("prompt") is not None:
             return
         tools = body.get("tools")
         if not tools:
@@ -1219,7 +1224,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         },
         (
             _stream_options_need_stream,
-            _tool_choice_names_a_tool(flat=True),
+            _tool_choice_names_a_tool(flat=True, prompts=True),
             _input_unless_the_origin_holds_it,
         ),
     ),

@@ -812,6 +812,34 @@ def test_tool_conversations_in_order_pass(messages: list[dict[str, Any]]) -> Non
     check_fields(C, chat(messages=messages, tools=[TOOL]), False)
 
 
+PROMPT = {"id": "pmpt_123", "version": "2"}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "name": "lookup"}, {"type": "custom", "name": "grep"}],
+)
+def test_a_stored_prompts_tools_are_the_origins_to_check(choice: Any) -> None:
+    """Trial 71: a Responses request with a stored `prompt` (which can carry
+    tools) and a tool_choice needing a tool was refused without `tools`, or
+    without that tool in them; the origin knows the prompt's tools. Without a
+    prompt, and on chat, the choice is checked as before; with one, its
+    shape still is."""
+    check_fields(R, response(prompt=PROMPT, tool_choice=choice), False)
+    other = [{"type": "function", "name": "f"}]
+    check_fields(R, response(prompt=PROMPT, tools=other, tool_choice=choice), False)
+    for body in (response(tool_choice=choice), response(prompt=None, tool_choice=choice)):
+        assert refusal(R, body).param == "tool_choice"
+    if choice != "required":  # a tool named that is not in them
+        assert refusal(R, response(tools=other, tool_choice=choice)).param == "tool_choice"
+    bad = refusal(R, response(prompt=PROMPT, tool_choice="sometimes"))
+    assert (bad.param, bad.code) == ("tool_choice", V)
+    # Chat has no stored prompts: a `prompt` there (an origin's own field) changes nothing.
+    assert refusal(C, chat(prompt=PROMPT, tool_choice="required")).param == "tool_choice"
+    named = {"type": "function", "function": {"name": "lookup"}}
+    assert refusal(C, chat(prompt=PROMPT, tools=[TOOL], tool_choice=named)).param == "tool_choice"
+
+
 def test_no_tools_may_be_an_empty_list() -> None:
     """OpenAI refuses `tools: []`; vLLM, llama.cpp and TGI take it, and agent
     code sends it when it has none (review)."""
