@@ -117,6 +117,7 @@ def test_a_tool_default_goes_only_into_a_request_with_tools(endpoint: str) -> No
     assert "parallel_tool_calls" not in plain and "tool_choice" not in plain
     tool = {"type": "function", "function": {"name": "f"}} if endpoint == CHAT else {
         "type": "function", "name": "f"}  # fmt: skip
+    no_tools: list[Any] | None
     for no_tools in ([], None):
         empty = {**plain, "tools": no_tools}
         assemble(endpoint, empty, rules)
