@@ -854,8 +854,8 @@ def _parser() -> argparse.ArgumentParser:
         "--reason",
         metavar="TEXT",
         help="why it is suspended, for operators, one line of at most 200 characters (`get "
-        "tenants`, the audit trail; never its callers): with --suspended on, or for a tenant "
-        "suspended already (replaces it)",
+        "tenants`, the status page, which needs no token to read, the audit trail; never its "
+        "callers): with --suspended on, or for a tenant suspended already (replaces it)",
     )
     # Which of the parsed values are settings (see _tenant_flags_given).
     ts.set_defaults(
@@ -913,9 +913,10 @@ def _parser() -> argparse.ArgumentParser:
         "--reason",
         default="",
         metavar="TEXT",
-        help="why, for operators, one line of at most 200 characters: `key list` shows it "
-        "while the key is suspended, and the audit trail keeps it (never sent to the key's "
-        "callers); given again, it replaces the reason of a suspended key",
+        help="why, for operators, one line of at most 200 characters: `key list` and the "
+        "status page (which needs no token to read) show it while the key is suspended, and "
+        "the audit trail keeps it (never sent to the key's callers); given again, it replaces "
+        "the reason of a suspended key",
     )
     kr = key.add_parser("resume", help="serve a suspended key's callers again")
     kr.add_argument("id", help="the key's id (key list)")
@@ -1260,15 +1261,16 @@ def _tenant_update(args: argparse.Namespace, current: pb.Tenant) -> apb.UpdateTe
             req.models.CopyFrom(models)
     if args.suspended is not None and (args.suspended == "on") != current.suspended:
         req.suspended = args.suspended == "on"
-    if args.reason is not None:
+    reason = args.reason.strip() if args.reason is not None else None  # as stored
+    if reason is not None:
         if not (args.suspended == "on" or (args.suspended is None and current.suspended)):
             raise UsageError(
                 f"--reason says why a tenant is suspended; tenant {args.name} "
                 + ("will not be" if args.suspended == "off" else "is not")
                 + ": give --suspended on"
             )
-        if args.reason != current.suspended_reason:
-            req.suspended_reason = args.reason
+        if reason != current.suspended_reason:
+            req.suspended_reason = reason
     return req
 
 
@@ -2130,7 +2132,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if t.suspended:
             saved += " SUSPENDED: its callers are refused (403 tenant_suspended)"
             if t.suspended_reason:
-                saved += f" ({t.suspended_reason})"
+                saved += f" ({_shown(t.suspended_reason)})"
         elif update.HasField("suspended") and update.suspended:
             # An older control plane drops the field, as it drops model lists.
             saved += (
@@ -2395,6 +2397,7 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str = "") -> str:
     """Suspend or resume key `key_id`, saying what the proxies do now. A
     control plane older than suspension has no such call: UNIMPLEMENTED; one
     older than reasons drops a suspension's reason (NOT SAVED: reason)."""
+    reason = reason.strip()  # as stored: one of spaces is none
     before = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
     current = next((k for k in before.keys if k.id == key_id), None)
     asked = apb.SetKeySuspendedRequest(id=key_id, suspended=suspended, reason=reason)

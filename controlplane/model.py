@@ -126,6 +126,13 @@ def check_reason(what: str, text: str) -> str:
     return text
 
 
+def readable_reason(text: str) -> str:
+    """A stored reason as check_reason takes it: each hidden character as
+    its escape, cut to MAX_REASON. Pure."""
+    shown = "".join(ascii(c)[1:-1] if is_hidden(c) else c for c in text.strip())
+    return shown[:MAX_REASON]
+
+
 def check_note(what: str, text: str) -> str:
     """text, when it is one line of characters shown as themselves (no
     is_hidden one); else InvalidArgument naming what and the first such
@@ -1466,8 +1473,12 @@ def decode_tenant(raw: bytes) -> Tenant:
         models=ModelAccess(tuple(str(m) for m in (fields.get("models") or {}).get("names", ()))),
         suspended=suspended,
         # Read by precedence, never refused (encode_over): a replica older
-        # than reasons lifts a suspension and keeps the reason it cannot see.
-        suspended_reason=str(fields.get("suspended_reason") or "") if suspended else "",
+        # than reasons lifts a suspension and keeps the reason it cannot see;
+        # one no write takes (a later version's longer bound, a hand edit) is
+        # read as one that is (a refused tenant would leave the table).
+        suspended_reason=readable_reason(str(fields.get("suspended_reason") or ""))
+        if suspended
+        else "",
     )
 
 

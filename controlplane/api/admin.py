@@ -571,7 +571,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         saved, before = await self._catalog.set_key_suspended(
             request.id, request.suspended, request.reason
         )
-        auditing.note(changes=auditing.suspension_changes(before, saved, request.reason))
+        auditing.note(changes=auditing.suspension_changes(before, saved))
         if before is not None and not before.suspended and saved.suspended:
             await self._warn(
                 context,

@@ -283,17 +283,25 @@ def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:
     return "SuspendKey" if req.suspended else "ResumeKey"
 
 
-def suspension_changes(before: ApiKeyRecord | None, after: ApiKeyRecord, reason: str) -> str:
+def suspension_changes(before: ApiKeyRecord | None, after: ApiKeyRecord) -> str:
     """What a key's suspension or resumption did, as an entry's `changes`
-    says it (and `get audit`'s CHANGES column): "nothing" for a key that
-    already was (before None), else the flag's change with the call's
-    `reason`, or, for a suspended key given another reason, the reason's."""
+    says it (and `get audit`'s CHANGES column), in the words a tenant's
+    update uses (`suspended false -> true; suspended_reason unset ->
+    "leaked"`): "nothing" for a key that already was (before None)."""
     if before is None:
         return "nothing"
+    changes = []
     if before.suspended != after.suspended:
-        because = f" ({reason})" if reason else ""
-        return f"suspended {_flag(before.suspended)} -> {_flag(after.suspended)}{because}"
-    return f"reason {before.suspended_reason!r} -> {after.suspended_reason!r}"
+        changes.append(("suspended", _flag(before.suspended), _flag(after.suspended)))
+    old, new = before.suspended_reason, after.suspended_reason
+    if old != new:
+        changes.append(("suspended_reason", _quoted(old), _quoted(new)))
+    return change_text(changes)
+
+
+def _quoted(text: str) -> str:
+    """A reason as an update's changes quote a string ("" for none: unset, removed)."""
+    return json.dumps(text, ensure_ascii=False) if text else ""
 
 
 def set_key_expiry(req: apb.SetKeyExpiryRequest, resp: apb.ApiKeyInfo | None) -> Description:

@@ -183,9 +183,13 @@ async def test_the_admin_api_keeps_a_reason_and_the_audit_trail_says_it() -> Non
             if e.action in ("SuspendKey", "ResumeKey") and e.result == "ok"
         )
         assert trail == [
-            ("ResumeKey", "new key deployed", "suspended true -> false (new key deployed)"),
-            ("SuspendKey", "leaked", "suspended false -> true (leaked)"),
-            ("SuspendKey", "still leaked", "reason 'leaked' -> 'still leaked'"),
+            (
+                "ResumeKey",
+                "new key deployed",
+                'suspended true -> false; suspended_reason "still leaked" -> removed',
+            ),
+            ("SuspendKey", "leaked", 'suspended false -> true; suspended_reason unset -> "leaked"'),
+            ("SuspendKey", "still leaked", 'suspended_reason "leaked" -> "still leaked"'),
         ]
 
 
@@ -410,3 +414,10 @@ def test_a_proxy_lists_what_it_enforces_when_it_registers() -> None:
     old = orjson.loads(encode(record))
     del old["features"]  # a registration written before the list
     assert decode_proxy(orjson.dumps(old)).features == ()
+
+
+def test_a_key_reason_of_spaces_is_none_and_not_called_unsaved() -> None:
+    stub = Stub(apb.ApiKeyInfo(id="abcdefghij", tenant="acme"))
+    said = pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "   ")
+    assert stub.sent[-1].reason == ""
+    assert not isinstance(said, Shown) or not said.not_saved

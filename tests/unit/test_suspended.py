@@ -165,6 +165,9 @@ def test_a_reason_is_stored_applied_and_exported_but_never_in_a_table() -> None:
 def test_a_reason_is_one_short_line_for_a_suspended_tenant(tenant: Tenant, said: str) -> None:
     with pytest.raises(InvalidArgument, match=said):
         tenant.validated()
+    if tenant.suspended:  # as stored, read (review 279: the tenant left the table)
+        read = decode_tenant(encode(tenant)).validated(stored=True)
+        assert read.suspended and read.suspended_reason in ("x" * 200, "a\\nb")
     assert errors_of(
         {"tenants": [{"name": "acme", "suspended": tenant.suspended,
                       "suspended_reason": tenant.suspended_reason}]}
@@ -227,3 +230,11 @@ def test_a_reason_an_older_control_plane_dropped_is_not_saved() -> None:
 
     said = pontoctl(Older(), "tenant", "set", "acme", "--suspended", "on", "--reason", "unpaid")
     assert isinstance(said, Shown) and said.not_saved == ("suspended_reason",)
+
+
+def test_a_reason_of_spaces_is_none_and_not_called_unsaved() -> None:
+    """Review 279: the control plane keeps none, so pontoctl said NOT SAVED."""
+    stub = Stub()
+    said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "on", "--reason", "   ")
+    assert not stub.sent[-1].HasField("suspended_reason")
+    assert not isinstance(said, Shown) or not said.not_saved
