@@ -178,6 +178,7 @@ EVERY_FIELD: Doc = {
                 "streams": {"hedge_ms": 250},
                 "routing": {"load_bound": 0},
                 "suspended": True,
+                "suspended_reason": "invoice unpaid",
             },
             {
                 "name": "initech",
@@ -229,6 +230,7 @@ def test_a_topology_with_every_field_apply_takes_renders_and_parses(
     assert acme.streams.hedge_auto is True
     assert acme.models.names == ("embed-small", "gpt-4o")
     assert desired.tenants[1].suspended is True
+    assert desired.tenants[1].suspended_reason == "invoice unpaid"
 
 
 def _origin(**fields: Any) -> Doc:
