@@ -15,7 +15,8 @@ Pure: no I/O, no clock.
       - {name: ollama-laptop, region: us-east, url: "http://laptop:11434/v1", models: [llama3],
          probe_path: /api/version}    # the control plane's --probe-path when left out
       - {name: hosted-1, region: us-east, url: "https://api.example/v1", models: [gpt-4o],
-         credential_env: HOSTED_KEY, probe: false, continuation: false}
+         credential_env: HOSTED_KEY, probe: false, continuation: false,
+         max_tokens_field: max_completion_tokens}   # a tenant's added ceiling in this field
       - {name: ollama-2, region: us-east, url: "http://gpu2:11434/v1", models: [llama-3-8b],
          model_names: {llama-3-8b: "llama3:8b"}}   # sent under the origin's own name
     tenants:
@@ -100,6 +101,7 @@ ORIGIN_FIELDS = (
     "probe_path",
     "probe",
     "model_names",
+    "max_tokens_field",
     "drained",
 )
 TENANT_FIELDS = (
@@ -376,6 +378,7 @@ def _origin(o: _Obj) -> Origin:
         probe_path=o.get("probe_path", str, ""),
         probe=o.get("probe", bool, True),
         model_names=tuple(o.mapping("model_names", str).items()),
+        max_tokens_field=o.get("max_tokens_field", str, "max_tokens"),
     )
 
 
@@ -528,6 +531,8 @@ def origin_doc(o: Origin) -> dict[str, Any]:
         out["probe"] = False
     if o.model_names:
         out["model_names"] = dict(o.model_names)
+    if o.table_token_field:
+        out["max_tokens_field"] = o.table_token_field
     if o.drained:
         out["drained"] = True
     return out

@@ -85,6 +85,7 @@ from controlplane.model import (
     rtt_warnings,
 )
 from controlplane.readiness import STORE
+from dataplane.assemble import TOKEN_FIELDS
 from ponto import grpcconn as conn
 from ponto import linkadvice
 from ponto.apikeys import key_expired
@@ -259,7 +260,14 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
         ]
         for o in resp.origins
     ]
-    return [*header, "CONTINUATION", "PROBE"], rows
+    header += ["CONTINUATION", "PROBE"]
+    # Only when an origin sets it: most fleets never do, and the table is
+    # wide already.
+    if any(o.max_tokens_field for o in resp.origins):
+        header.append("MAX TOKENS AS")
+        for row, o in zip(rows, resp.origins, strict=True):
+            row.append(o.max_tokens_field or "max_tokens")
+    return header, rows
 
 
 def _served_as(o: pb.Origin) -> str:
@@ -699,6 +707,16 @@ def _parser() -> argparse.ArgumentParser:
         "it counts as healthy and the proxies' passive health alone judges it; on by default",
     )
     oa.add_argument(
+        "--max-tokens-field",
+        choices=list(TOKEN_FIELDS),
+        default=None,
+        help="the field in which the proxies send this origin a tenant's --max-tokens "
+        "ceiling they add to a chat request that names no limit: max_completion_tokens for "
+        "OpenAI's reasoning models (o-series, gpt-5), which refuse max_tokens; max_tokens "
+        "(the default) for servers that read only it (Ollama). A client's own field is "
+        "never renamed",
+    )
+    oa.add_argument(
         "--update",
         action="store_true",
         help="update the origin if it exists, keeping each setting not given",
@@ -753,7 +771,10 @@ def _parser() -> argparse.ArgumentParser:
         help="on: replace the client's system messages; off: prepend",
     )
     ts.add_argument(
-        "--max-tokens", type=_count(MAX_TOKENS_CEILING), help="ceiling (and default) of max_tokens"
+        "--max-tokens",
+        type=_count(MAX_TOKENS_CEILING),
+        help="ceiling (and default) of max_tokens; added as max_tokens, or in the "
+        "origin's --max-tokens-field",
     )
     ts.add_argument(
         "--default",
@@ -1906,6 +1927,12 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
         if args.probe == "off" and args.probe_path is None:
             spec.probe_path = ""
     spec.probe = spec.probe or "on"
+    if args.max_tokens_field is not None:
+        # The default as "": the form the control plane answers it in, so
+        # that _not_saved can tell it from a field an older one dropped.
+        spec.max_tokens_field = (
+            "" if args.max_tokens_field == "max_tokens" else args.max_tokens_field
+        )
     return spec
 
 
@@ -1924,6 +1951,7 @@ def _as_spec(o: pb.Origin) -> apb.OriginSpec:
         probe_path=o.probe_path,
         probe="off" if o.not_probed else "on",
         model_names=dict(o.model_names),
+        max_tokens_field=o.max_tokens_field,
     )
 
 
@@ -1941,6 +1969,7 @@ def _origin_changes(before: pb.Origin, after: pb.Origin) -> list[str]:
             "credential_file": o.credential_file or "-",
             "continuation": "off" if o.no_continuation else "on",
             "probe": _probe(o),
+            "max_tokens_field": o.max_tokens_field or "max_tokens",
         }
 
     return _changes(shown(before), shown(after))

@@ -72,6 +72,7 @@ def compile_table(state: State) -> pb.RouteTable:
                 probe_path=origin.probe_path,
                 not_probed=not origin.probe,
                 model_names=dict(origin.model_names),
+                max_tokens_field=origin.table_token_field,
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):

@@ -49,6 +49,7 @@ def origin_of(spec: apb.OriginSpec) -> Origin:
         probe_path=spec.probe_path,
         probe=_on_off(spec.probe, "probe"),
         model_names=tuple(spec.model_names.items()),
+        max_tokens_field=spec.max_tokens_field or "max_tokens",
     )
 
 

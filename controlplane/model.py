@@ -346,6 +346,17 @@ class Origin:
     # (an Ollama tag, an Azure OpenAI deployment); a model not named here is
     # sent under its public name. Pairs rather than a dict: frozen, hashable.
     model_names: tuple[tuple[str, str], ...] = ()
+    # The field (one of TOKEN_FIELDS) the proxies send it a tenant's
+    # max-tokens ceiling in when they add one to a chat request that named
+    # no limit: OpenAI's reasoning models refuse max_tokens, Ollama reads
+    # only it. A field the client sent is never renamed.
+    max_tokens_field: str = "max_tokens"
+
+    @property
+    def table_token_field(self) -> str:
+        """max_tokens_field as route tables and the admin API carry it: ""
+        for the default, which a table without the field means too."""
+        return "" if self.max_tokens_field == "max_tokens" else self.max_tokens_field
 
     def validated(self) -> Origin:
         check_name("origin", self.name)
@@ -411,6 +422,12 @@ class Origin:
             raise InvalidArgument(
                 f"origin {self.name!r}: a probe path with probing off (give one or the other)",
                 field="probe_path",
+            )
+        if self.max_tokens_field not in TOKEN_FIELDS:
+            raise InvalidArgument(
+                f"max_tokens_field {self.max_tokens_field!r} of origin {self.name!r} is not "
+                f"one of {', '.join(TOKEN_FIELDS)}",
+                field="max_tokens_field",
             )
         served = set(self.models)
         names = dict(self.model_names)

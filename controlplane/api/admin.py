@@ -210,6 +210,7 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         probe_path=o.probe_path,
         not_probed=not o.probe,
         model_names=dict(o.model_names),
+        max_tokens_field=o.table_token_field,
     )
 
 

@@ -126,6 +126,7 @@ class OriginSpec(_message.Message):
     PROBE_PATH_FIELD_NUMBER: _builtins.int
     PROBE_FIELD_NUMBER: _builtins.int
     MODEL_NAMES_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     region: _builtins.str
@@ -155,6 +156,14 @@ class OriginSpec(_message.Message):
     proxies' passive health alone judges it. "off" with a probe_path is
     INVALID_ARGUMENT.
     """
+    max_tokens_field: _builtins.str
+    """The field in which the proxies send this origin a tenant's max-tokens
+    ceiling that they add to a chat request naming no limit:
+    "max_completion_tokens" for OpenAI's reasoning models (o-series, gpt-5),
+    which refuse max_tokens with 400 unsupported_parameter; "max_tokens" (or
+    ""): the default, for servers that read only it (Ollama). A field the
+    client sent is never renamed. Another value is INVALID_ARGUMENT.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -182,10 +191,11 @@ class OriginSpec(_message.Message):
         probe_path: _builtins.str = ...,
         probe: _builtins.str = ...,
         model_names: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_tokens_field: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "model_names", b"model_names", "models", b"models", "name", b"name", "probe", b"probe", "probe_path", b"probe_path", "region", b"region", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "continuation", b"continuation", "credential_env", b"credential_env", "credential_file", b"credential_file", "max_tokens_field", b"max_tokens_field", "model_names", b"model_names", "models", b"models", "name", b"name", "probe", b"probe", "probe_path", b"probe_path", "region", b"region", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -251,6 +251,7 @@ class Origin(_message.Message):
     PROBE_PATH_FIELD_NUMBER: _builtins.int
     NOT_PROBED_FIELD_NUMBER: _builtins.int
     MODEL_NAMES_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """OpenAI-compatible base URL, including the /v1 prefix."""
@@ -294,6 +295,11 @@ class Origin(_message.Message):
     true, as no probe judges it: only the proxies' passive health does).
     """
     not_probed: _builtins.bool
+    max_tokens_field: _builtins.str
+    """OriginSpec.max_tokens_field: the field a chat request's added max-tokens
+    ceiling is sent to this origin in; "" is max_tokens (so a table without
+    the field, an older control plane's, keeps what proxies always did).
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -323,10 +329,11 @@ class Origin(_message.Message):
         probe_path: _builtins.str = ...,
         not_probed: _builtins.bool = ...,
         model_names: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_tokens_field: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "model_names", b"model_names", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "not_probed", b"not_probed", "probe_path", b"probe_path", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "capacity", b"capacity", "credential_env", b"credential_env", "credential_file", b"credential_file", "drained", b"drained", "health_detail", b"health_detail", "healthy", b"healthy", "inflight", b"inflight", "inflight_unknown", b"inflight_unknown", "max_tokens_field", b"max_tokens_field", "model_names", b"model_names", "models", b"models", "name", b"name", "no_continuation", b"no_continuation", "not_probed", b"not_probed", "probe_path", b"probe_path", "region", b"region", "server_kind", b"server_kind", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -116,6 +116,7 @@ EVERY_FIELD: Doc = {
                 "credential_file": "/etc/ponto/keys/euw1",
                 "probe": False,
                 "model_names": {"llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct"},
+                "max_tokens_field": "max_completion_tokens",
             },
         ],
         "tenants": [
@@ -225,6 +226,8 @@ def test_a_topology_with_every_field_apply_takes_renders_and_parses(
     assert desired.origins[1].model_names == (
         ("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct"),
     )
+    assert desired.origins[1].max_tokens_field == "max_completion_tokens"
+    assert desired.origins[0].max_tokens_field == "max_tokens"
     acme = desired.tenants[0]
     assert acme.routing.load_bound == pytest.approx(1.25)
     assert acme.streams.hedge_auto is True
@@ -257,6 +260,7 @@ def _tenant(**fields: Any) -> Doc:
         (_origin(model_names={"m": "x" * 257}), "model_names.m"),
         (_origin(model_names={"m": "llama3\n"}), "model_names.m"),
         (_origin(model_names={"M m": "x"}), 'Property name of "M m" does not match'),
+        (_origin(max_tokens_field="max_output_tokens"), "max_tokens_field"),
         (_tenant(cache={"semantic_threshold": 0.3}), "semantic_threshold"),
         (_tenant(cache={"semantic_max_error": 0.5}), "semantic_max_error"),
         (_tenant(routing={"mode": "random"}), "routing.mode"),
