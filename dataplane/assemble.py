@@ -15,7 +15,10 @@ Rules, in order:
 3. defaults: parameters the client left out;
 4. the max_tokens ceiling: max_tokens and max_completion_tokens (Responses:
    max_output_tokens) are clamped to it, and set to it when the client sent
-   none.
+   none. A chat request's added one is `max_tokens`, and said so
+   (`Assembly.ceiling_added`): the forwarder sends it to each origin in that
+   origin's field (Target.max_tokens_field), as OpenAI's reasoning models
+   refuse max_tokens and Ollama reads nothing else.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dataplane.http.errors import bad_request
 from dataplane.http.fields import default_applies
@@ -55,13 +58,32 @@ class PromptRules:
 NO_RULES: PromptRules = PromptRules()
 
 
+class Assembly(NamedTuple):
+    """What `assembled` did to a body."""
+
+    changed: bool
+    # A chat request that named no token limit got the ceiling as
+    # `max_tokens`: the one field the proxy may send an origin under another
+    # name (a client's own fields are its choice, and go as sent).
+    ceiling_added: bool = False
+
+
+UNCHANGED = Assembly(False)
+
+
 def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
-    """Apply rules to body in place; return True if anything changed.
+    """Apply rules to body in place; return True if anything changed
+    (`assembled`, for whether a ceiling was added)."""
+    return assembled(endpoint, body, rules).changed
+
+
+def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assembly:
+    """Apply rules to body in place; say what changed.
 
     Raises ApiError (400) when a field the rules act on has the wrong type.
     """
     if rules.empty:
-        return False
+        return UNCHANGED
     changed = False
     model = body.get("model")
     if isinstance(model, str):
@@ -113,8 +135,8 @@ def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
                 changed = True
         if not present:
             body[fields[0]] = ceiling
-            changed = True
-    return changed
+            return Assembly(True, ceiling_added=endpoint == "chat.completions")
+    return Assembly(changed)
 
 
 def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:

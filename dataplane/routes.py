@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
+from dataplane.assemble import TOKEN_FIELDS
 from dataplane.upstream.credentials import CredentialError, OriginCredentials
 from dataplane.upstream.responseids import MIN_KEY_BYTES, IdKeys, origin_tag
 from ponto.routetable import content_etag
@@ -60,6 +61,10 @@ class Target:
     # Azure deployment): the `model` the forwarder sends it (Forwarder._call).
     # Empty for most origins, which cost nothing more then.
     model_names: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # The field a chat request's max-tokens ceiling, when the proxy added it
+    # as max_tokens, is sent to it in (max_completion_tokens: OpenAI's
+    # reasoning models refuse max_tokens); "": max_tokens, as added.
+    max_tokens_field: str = field(default="", compare=False)
     # Parsed once per table: building a URL from a string on every call costs
     # the upstream client more than the rest of the request line.
     urls: dict[str, URL] = field(default_factory=dict, compare=False, repr=False)
@@ -321,6 +326,10 @@ def validate(table: pb.RouteTable) -> None:
             raise TableError(f"origin {o.name!r} lists a model twice")
         if o.weight < 1:
             raise TableError(f"origin {o.name!r} has weight {o.weight}")
+        if o.max_tokens_field and o.max_tokens_field not in TOKEN_FIELDS:
+            raise TableError(
+                f"origin {o.name!r} has an unknown max_tokens_field {o.max_tokens_field!r}"
+            )
     for key in table.response_id_keys:
         if len(key) < MIN_KEY_BYTES:
             raise TableError(f"a response id key is shorter than {MIN_KEY_BYTES} bytes")
@@ -428,6 +437,7 @@ def _add_target(
         credential=_credential(o),
         tag=origin_tag(o.name),
         model_names=dict(o.model_names),
+        max_tokens_field="" if o.max_tokens_field == "max_tokens" else o.max_tokens_field,
     )
     for model in models:
         by_model.setdefault(model, {}).setdefault(o.region, []).append(target)

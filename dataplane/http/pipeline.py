@@ -28,7 +28,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
-from dataplane.assemble import assemble, names_twice, ruled_fields
+from dataplane.assemble import assembled, names_twice, ruled_fields
 from dataplane.auth.authenticator import (
     OPEN_PRINCIPAL,
     AuthError,
@@ -163,6 +163,9 @@ class Exchange:
     tenant: TenantRules | None = None
     model: str = ""
     rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
+    # The tenant's ceiling went into the body as `max_tokens` (a chat request
+    # that named no limit): sent to each origin in its own field.
+    ceiling_added: bool = False
     # A stream whose origin is asked for the usage chunk its client did not
     # ask for (--origin-stream-usage always): counted by the origin's usage,
     # which its client is not shown (dataplane.streaming.usage).
@@ -452,9 +455,9 @@ class Pipeline:
         if ex.tenant.prompt.system_prompt:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt
-        ex.rewritten = assemble(ex.endpoint.name, ex.body, rules) or names_twice(
-            ex.raw, ruled_fields(ex.endpoint.name, rules)
-        )
+        done = assembled(ex.endpoint.name, ex.body, rules)
+        ex.ceiling_added = done.ceiling_added
+        ex.rewritten = done.changed or names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:
             raise model_not_found(asked)
@@ -676,6 +679,7 @@ class Pipeline:
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
                 model=ex.model,
+                ceiling_added=ex.ceiling_added,
                 plain_body=(lambda: jsonio.dumps(ex.body) if ex.rewritten else ex.raw)
                 if ex.usage_added
                 else None,

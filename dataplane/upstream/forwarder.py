@@ -381,6 +381,9 @@ class _Tries:
     model: str = ""
     # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
     model_missing: int = 0
+    # The body's `max_tokens` is the tenant's ceiling the proxy added, not
+    # the client's: sent in each origin's own field (Target.max_tokens_field).
+    ceiling_added: bool = False
     # The body as the client's request made it, when the one sent adds
     # `stream_options.include_usage` for the proxy's count (forward's
     # `plain_body`); sent instead to an origin that refuses the member.
@@ -539,6 +542,7 @@ class Forwarder:
         method: str | None = None,
         tenant: str = "",
         model: str = "",
+        ceiling_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
@@ -593,6 +597,11 @@ class Forwarder:
         serve its other models well); when every origin tried says so,
         ApiError 404 model_not_found.
 
+        `ceiling_added`: the body's `max_tokens` is a tenant's ceiling the
+        proxy added to a chat request that named no limit. An origin whose
+        Target.max_tokens_field names another field is sent it in that one
+        (OpenAI's reasoning models refuse max_tokens).
+
         `plain_body`: makes `body` without the `stream_options.include_usage` the
         proxy added to count a stream by its origin's usage
         (--origin-stream-usage always). An origin that refuses the member (a
@@ -609,6 +618,7 @@ class Forwarder:
             method=method,
             tenant=tenant,
             model=model,
+            ceiling_added=ceiling_added,
             plain_body=plain_body,
         )
         if stream and settings.first_chunk_timeout is not None:
@@ -1135,13 +1145,19 @@ class Forwarder:
         To an origin that knows the request's model by another name
         (Target.model_names), the body sent names it so: per attempt, so a
         failover or a hedge to another origin sends that one's name, or the
-        client's. Only those bodies are encoded again; others go as given."""
+        client's. So is a ceiling the proxy added as max_tokens
+        (`ceiling_added`) sent in the origin's max_tokens_field. Only those
+        bodies are encoded again; others go as given."""
         plain = tries.plain_body if tries is not None else None
         names = target.model_names
-        if names and tries is not None and (own := names.get(tries.model)) is not None:
-            body = renamed(body, own)
-            if plain is not None:
-                plain = partial(_renamed_plain, plain, own)
+        # The common attempt (no names, no ceiling added) tests two values.
+        if tries is not None and (names or tries.ceiling_added):
+            own = names.get(tries.model) if names else None
+            token_field = target.max_tokens_field if tries.ceiling_added else ""
+            if own is not None or token_field:
+                body = renamed(body, own, token_field)
+                if plain is not None:
+                    plain = partial(_renamed_plain, plain, own, token_field)
         if plain is None:
             return self._call_once(target, path, body, headers, attempt, stream, tries)
         if target.name in self.refuses_stream_options:
@@ -1688,16 +1704,24 @@ def _missing_answer(parsed: dict[str, Any], path: str) -> str:
 NOT_FOUND = 404
 
 
-def renamed(body: bytes, model: str) -> bytes:
-    """`body` (a JSON object) with `model` as its model: what an origin that
-    knows the request's model by another name is sent (Forwarder._call)."""
+def renamed(body: bytes, model: str | None, token_field: str = "") -> bytes:
+    """`body` (a JSON object) as an origin is sent it (Forwarder._call):
+    with `model` as its model (None: as it is), for an origin that knows the
+    request's model by another name; with its `max_tokens` moved to
+    `token_field` ("": left), for one that reads the proxy's added ceiling
+    there."""
     obj = jsonio.loads(body)
-    obj["model"] = model
+    if model is not None:
+        obj["model"] = model
+    if token_field and "max_tokens" in obj:
+        # Over a client's `null` in that field (no limit), never a value:
+        # the ceiling is added only when the client named none.
+        obj[token_field] = obj.pop("max_tokens")
     return jsonio.dumps(obj)
 
 
-def _renamed_plain(plain: Callable[[], bytes], model: str) -> bytes:
-    return renamed(plain(), model)
+def _renamed_plain(plain: Callable[[], bytes], model: str | None, token_field: str) -> bytes:
+    return renamed(plain(), model, token_field)
 
 
 def _check_not_found(body: bytes, path: str, model: str = "") -> None:
