@@ -548,6 +548,19 @@ def write_report(directory: Path) -> Path:
             "Where the proxy's time goes: [profile.txt](profile.txt) (`make profile`).",
             "",
         ]
+    parts += [
+        "## Instructions per request",
+        "",
+        "A cost that the machine's load does not move: `.venv/bin/python -m bench.instructions` "
+        'runs bench/compare.py\'s "cpu" topology (canned nginx origin) with the server under '
+        "test (the pass-through, Ponto with defaults, Ponto with key auth, limits and the exact "
+        "cache) under callgrind, counts the instructions of 1,000 sequential requests after 300 "
+        "uncounted ones, and prints instructions per request and the ratio to the pass-through. "
+        "Counts repeat within a few tenths of a percent whatever else runs, so it compares one "
+        "change with another; it is not a time (see the module's docstring). About 2 minutes; "
+        "needs valgrind.",
+        "",
+    ]
     for name, data in results.items():
         if name == "geo":
             try:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,20 +187,26 @@ class Fleet:
         workers: int = 1,
         extra: list[str] | None = None,
         wait: bool = True,
+        launcher: Sequence[str] = (),
+        ready_timeout: float = 30.0,
     ) -> Managed:
         """Start a proxy; one process unless `workers` > 1 (dataplane/workers.py),
         whatever the machine's cores, so that runs do not depend on the machine.
-        Returned once it listens, or at once without `wait` (its address unknown)."""
+        Returned once it listens (within `ready_timeout` seconds), or at once
+        without `wait` (its address unknown). `launcher` goes before the
+        interpreter (bench/instructions.py runs the proxy under valgrind)."""
         addresses = control_planes or [m.address for m in self.controls.values()]
         listen = _own_port(listen)
         ready = self._ready(name)
-        argv = [*python_entry("dataplane"), "--control-plane", ",".join(addresses),
+        argv = [*launcher, *python_entry("dataplane"), "--control-plane", ",".join(addresses),
                 "--listen", listen, "--region", region, "--name", name,
                 "--workers", str(workers),
                 "--state-dir", str(self.workdir / f"{name}-state"),
                 "--ready-file", str(ready),
                 *(self.security.proxy_args() if self.security else []), *(extra or [])]  # fmt: skip
-        self.proxies[name] = m = spawn(name, argv, self.workdir, ready_file=ready if wait else None)
+        self.proxies[name] = m = spawn(
+            name, argv, self.workdir, ready_file=ready if wait else None, timeout=ready_timeout
+        )
         return m
 
     def start_cache(self, region: str) -> Redis:

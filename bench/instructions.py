@@ -1,0 +1,319 @@
+"""Instructions per request under callgrind: a CPU cost that the machine's load does not move.
+
+    .venv/bin/python -m bench.instructions [--warmup 300] [--requests 1000]
+        [--targets passthrough,defaults,features] [--keep DIR] [--top 0]
+
+Why: CPU time per request (bench/compare.py) moves by 10-20 % from run to run
+on a shared two-CPU machine; the number of instructions a server executes for
+the same requests does not (a few tenths of a percent). It is the figure to
+compare one revision with another, one cut at a time. It is not a time: a
+cache miss or a branch mispredicted costs more than an instruction, so the
+ratio here is a guide to bench/compare.py's ratio, not a substitute for it.
+
+What runs: the topology of bench/compare.py's "cpu" phase. etcd, a control
+plane and the canned origin (bench/canned.py, nginx answering one chat
+completion for model "canned") on CPU 1; the server under test alone on CPU 0,
+started under ``valgrind --tool=callgrind --instr-atstart=no`` (so start-up,
+imports and the first table are not counted), one at a time:
+
+- passthrough: bench/passthrough.py in front of nginx (the floor);
+- defaults: ponto-proxy with bench.compare's PONTO_ARGS and nothing configured
+  (every request an exact-cache lookup that misses, nothing stored);
+- features: a new ponto-proxy after bench.compare.configure_ponto_features:
+  API-key auth, rate limits (not binding) and the exact cache (each lookup
+  misses and the answer is stored).
+
+How it counts: a plain client on CPU 1 (http.client, one keep-alive
+connection, one request at a time) sends `--warmup` requests, then turns
+callgrind's instrumentation on (``vgdb instrumentation on``, which reaches a
+process blocked in epoll_wait too), sends `--requests` more, turns it off and
+dumps. Instructions per request = the dump's total instructions (Ir, every
+thread of the process) / requests. Every request has its own prompt (the same
+bodies, CANNED_BODY with its index, for every target) and must answer 200.
+PYTHONHASHSEED is fixed so that dict layouts repeat. One request at a time,
+so each request also pays one idle event loop's wake-up (epoll_wait and its
+callbacks) that a saturated server shares among several: the same for every
+target. Anything a server does on its own clock during the counted window
+(Ponto's control-plane stream, its rate-limit reports) is counted too; the
+window lasts tens of seconds under valgrind, so this part is larger than at
+full speed: `--idle S` measures it alone (instructions over S seconds without
+requests) so that it can be told apart.
+
+Output: per target, instructions per request and the ratio to the
+pass-through. With `--keep DIR` the callgrind files stay in DIR
+(``callgrind_annotate --inclusive=yes DIR/features.out``); with `--top N` the
+N costliest C functions (inclusive) of each Ponto target are printed. Python
+frames all run inside CPython's evaluator, so for a Python-level breakdown use
+bench/profile.py (py-spy) or cProfile in process; this tool gives the totals.
+
+Bounded in time: valgrind runs Python some 50x slower, and the defaults take
+about 5 minutes (three start-ups, 3 x 1,300 requests). Needs valgrind (Debian
+package ``valgrind``) and nginx (``make nginx``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import canned
+from bench.compare import (
+    CANNED_BODY,
+    LOAD_CPU,
+    PONTO_ARGS,
+    SERVER_CPU,
+    Header,
+    configure_ponto_features,
+)
+from bench.procs import affinity, cpus_available, pin_tree
+from ponto.devenv import Managed, python_entry, spawn
+from ponto.fleet import Fleet, RegionDef
+
+TARGETS = ("passthrough", "defaults", "features")
+READY_S = 300.0  # a start-up under valgrind (imports, gRPC, the first table)
+REQUEST_S = 120.0  # one request under valgrind, the first ones uninstrumented JIT
+
+
+@dataclass
+class Count:
+    """What one target executed in its counted window."""
+
+    target: str
+    requests: int
+    instructions: int
+    seconds: float  # wall time of the counted window (valgrind's, not the server's speed)
+
+    @property
+    def per_request(self) -> float:
+        return self.instructions / self.requests if self.requests else 0.0
+
+
+def callgrind(out: Path) -> list[str]:
+    """The launcher that runs a server under callgrind, collecting nothing until told."""
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--vgdb=yes",
+            f"--vgdb-prefix={out.parent / out.stem}-vgdb",
+            f"--callgrind-out-file={out}", "--quiet"]  # fmt: skip
+
+
+def monitor(out: Path, pid: int, command: str) -> None:
+    """Send a callgrind monitor command (instrumentation on|off, dump) to `pid`.
+
+    vgdb reaches a process blocked in a system call too (it interrupts it with
+    ptrace when it does not answer within --max-invoke-ms)."""
+    argv = ["vgdb", f"--vgdb-prefix={out.parent / out.stem}-vgdb", f"--pid={pid}", command]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vgdb {command}: {done.returncode}: {done.stdout}{done.stderr}")
+
+
+def total_instructions(path: Path) -> int:
+    """Ir of a callgrind dump: its ``totals:`` line (its ``summary:`` line says 0
+    when instrumentation started off)."""
+    for line in reversed(path.read_text().splitlines()):
+        if m := re.match(r"totals:\s+(\d+)", line):
+            return int(m.group(1))
+    raise RuntimeError(f"{path}: no totals line")
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection sending chat completions one at a time."""
+
+    def __init__(self, url: str, headers: Header) -> None:
+        rest = url.removeprefix("http://")
+        host_port, _, path = rest.partition("/")
+        host, _, port = host_port.rpartition(":")
+        self.path = "/" + path
+        self.headers = {"Content-Type": "application/json", **dict(headers)}
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_S)
+
+    def send(self, index: int) -> None:
+        """Request `index` (its own prompt); raises RuntimeError unless it answers 200."""
+        status, data = self._post(index)
+        if status != 200:
+            raise RuntimeError(f"request {index}: HTTP {status}: {data[:300]!r}")
+
+    def first(self, limit: float = READY_S) -> None:
+        """Request 0, retried while it answers 429 for up to `limit` seconds: a proxy
+        that has just joined refuses a limited key until the leader gives it a share
+        (docs/rate-limits.md)."""
+        deadline = time.monotonic() + limit
+        while (status := self._post(0))[0] == 429 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        if status[0] != 200:
+            raise RuntimeError(f"request 0: HTTP {status[0]}: {status[1][:300]!r}")
+
+    def _post(self, index: int) -> tuple[int, bytes]:
+        body = CANNED_BODY.replace(b"{i}", str(index).encode())
+        self.conn.request("POST", self.path, body, self.headers)
+        resp = self.conn.getresponse()
+        return resp.status, resp.read()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def count(
+    name: str, server: Managed, url: str, headers: Header, out: Path, args: argparse.Namespace
+) -> Count:
+    """Warm `server` up, count `args.requests` requests, stop it; see the module docstring."""
+    pid = server.proc.pid
+    client = Client(url, headers)
+    try:
+        client.first()
+        for i in range(1, args.warmup):
+            client.send(i)
+        if args.idle:
+            monitor(out, pid, "instrumentation on")
+            time.sleep(args.idle)
+            monitor(out, pid, "instrumentation off")
+            monitor(out, pid, "dump idle")
+            monitor(out, pid, "zero")
+        monitor(out, pid, "instrumentation on")
+        started = time.monotonic()
+        for i in range(args.warmup, args.warmup + args.requests):
+            client.send(i)
+        seconds = time.monotonic() - started
+        monitor(out, pid, "instrumentation off")
+        monitor(out, pid, "dump counted")
+    finally:
+        client.close()
+        server.stop()
+    files = dumps(out)
+    if args.idle:
+        idle = total_instructions(files[0])
+        print(f"{name}: idle {idle:,} instructions in {args.idle:g} s", file=sys.stderr)
+    return Count(name, args.requests, total_instructions(files[-1]), seconds)
+
+
+def dumps(out: Path) -> list[Path]:
+    """The dumps vgdb asked for (OUT.1, OUT.2, ...), in order; OUT itself is the exit's."""
+    return sorted(out.parent.glob(f"{out.name}.*"), key=lambda p: int(p.suffix[1:]))
+
+
+def start_passthrough(fleet: Fleet, origin: str, out: Path) -> Managed:
+    """bench/passthrough.py under callgrind in front of `origin`, alone on SERVER_CPU."""
+    ready = fleet.workdir / "passthrough.addr"
+    argv = [*callgrind(out), *python_entry("bench.passthrough"), "--listen", "127.0.0.1:0",
+            "--origin", f"http://{origin}", "--ready-file", str(ready)]  # fmt: skip
+    with affinity({SERVER_CPU}):
+        managed = spawn("passthrough", argv, fleet.workdir, ready_file=ready, timeout=READY_S)
+    pin_tree(managed.proc.pid, {SERVER_CPU})
+    return managed
+
+
+def start_proxy(fleet: Fleet, name: str, out: Path) -> Managed:
+    """ponto-proxy `name` under callgrind, one worker, alone on SERVER_CPU, serving
+    the control plane's current table."""
+    with affinity({SERVER_CPU}):
+        proxy = fleet.start_proxy(
+            name,
+            "local",
+            extra=[*PONTO_ARGS, "--workers", "1"],
+            launcher=callgrind(out),
+            ready_timeout=READY_S,
+        )
+    pin_tree(proxy.proc.pid, {SERVER_CPU})
+    fleet.wait_proxies_at(fleet.table_version(origins=1), timeout=READY_S)
+    return proxy
+
+
+def run(args: argparse.Namespace, workdir: Path) -> list[Count]:
+    """Start the topology in `workdir`, count each target in args.targets; see the module."""
+    counts: list[Count] = []
+    with Fleet(workdir) as fleet, affinity({LOAD_CPU}):
+        fleet.start_etcd()
+        fleet.start_control()
+        fleet.add_region(RegionDef("local", 0.0, 0.0))
+        with canned.CannedOrigin(workdir / "canned", cpus={LOAD_CPU}) as nginx:
+            fleet.add_origin("canned", "local", nginx.url, models=(canned.CANNED_MODEL,))
+            fleet.table_version(origins=1)
+            for name in args.targets:
+                out = workdir / f"{name}.out"
+                if name == "passthrough":
+                    server = start_passthrough(fleet, nginx.address, out)
+                    url = f"http://{server.address}/v1/chat/completions"
+                    headers: Header = ()
+                else:
+                    if name == "features":
+                        headers, _ = configure_ponto_features(fleet, "auth-limits-cache")
+                    else:
+                        headers = ()
+                    server = start_proxy(fleet, f"proxy-{name}", out)
+                    url = fleet.proxy_url(f"proxy-{name}") + "/chat/completions"
+                print(f"{name}: started; {args.warmup} + {args.requests} requests", file=sys.stderr)
+                counts.append(count(name, server, url, headers, out, args))
+                fleet.proxies.pop(f"proxy-{name}", None)
+                if name != "passthrough" and args.top:
+                    print(annotate(out, args.top))
+    return counts
+
+
+def annotate(out: Path, top: int) -> str:
+    """The `top` costliest functions of the counted dump of `out`, inclusive."""
+    dump = dumps(out)[-1]
+    done = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dump)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Ir ")), 0)
+    return "\n".join([f"== {out.stem}", *lines[start : start + top + 2]])
+
+
+def report(counts: Sequence[Count]) -> str:
+    """The table: target, requests, instructions per request, ratio to the pass-through."""
+    floor = next((c.per_request for c in counts if c.target == "passthrough"), 0.0)
+    rows = [f"{'target':<12} {'requests':>8} {'instr/request':>14} {'/ pass-through':>15}"]
+    for c in counts:
+        ratio = f"{c.per_request / floor:.3f}" if floor else "-"
+        rows.append(f"{c.target:<12} {c.requests:>8} {c.per_request:>14,.0f} {ratio:>15}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--warmup", type=int, default=300, help="uncounted requests first (>= 1)")
+    parser.add_argument("--requests", type=int, default=1000, help="counted requests")
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated, in this order of start: {', '.join(TARGETS)}",
+    )
+    parser.add_argument("--idle", type=float, default=0.0, help="also count S idle seconds")
+    parser.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
+    parser.add_argument("--top", type=int, default=0, help="print N costliest functions")
+    args = parser.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    unknown = set(args.targets) - set(TARGETS)
+    if unknown:
+        parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    if shutil.which("valgrind") is None or shutil.which("vgdb") is None:
+        print("valgrind is not installed (apt-get install -y valgrind)", file=sys.stderr)
+        return 2
+    if not cpus_available():
+        print("note: fewer than 2 CPUs, nothing pinned (counts do not need it)", file=sys.stderr)
+    os.environ["PYTHONHASHSEED"] = "0"  # the servers inherit it: dict layouts repeat
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        counts = run(args, args.keep.resolve())
+    else:
+        with tempfile.TemporaryDirectory(prefix="ponto-instructions-") as tmp:
+            counts = run(args, Path(tmp))
+    print(report(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""bench/instructions.py's pure parts: reading a callgrind dump, the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.instructions import Count, dumps, report, total_instructions
+
+# The shape callgrind 3.19 writes when instrumentation started off: a summary of 0
+# in the header and the real total at the end.
+DUMP = """# callgrind format
+version: 1
+events: Ir
+summary: 0
+
+fn=(1) main
+16 20
+totals: 1234567
+"""
+
+
+def test_total_is_the_totals_line_not_the_summary(tmp_path: Path) -> None:
+    path = tmp_path / "x.out.1"
+    path.write_text(DUMP)
+    assert total_instructions(path) == 1234567
+
+
+def test_a_dump_without_totals_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.out.1"
+    path.write_text("summary: 5\n")
+    with pytest.raises(RuntimeError, match="no totals"):
+        total_instructions(path)
+
+
+def test_dumps_in_numeric_order(tmp_path: Path) -> None:
+    for n in (10, 2, 1):
+        (tmp_path / f"x.out.{n}").write_text(DUMP)
+    (tmp_path / "x.out").write_text(DUMP)
+    assert [p.name for p in dumps(tmp_path / "x.out")] == ["x.out.1", "x.out.2", "x.out.10"]
+
+
+def test_report_gives_ratios_to_the_pass_through() -> None:
+    table = report(
+        [Count("passthrough", 10, 5_000_000, 1.0), Count("features", 10, 7_500_000, 1.0)]
+    ).splitlines()
+    assert table[1].split() == ["passthrough", "10", "500,000", "1.000"]
+    assert table[2].split() == ["features", "10", "750,000", "1.500"]
+
+
+def test_report_without_the_pass_through_has_no_ratio() -> None:
+    table = report([Count("defaults", 4, 400, 1.0)]).splitlines()
+    assert table[1].split() == ["defaults", "4", "100", "-"]
