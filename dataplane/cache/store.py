@@ -244,15 +244,18 @@ class ExactStore:
         self._by_model.setdefault(model, set()).add(key)
         self._bytes += cost
         heapq.heappush(self._expiry, (slot.expires_at, key))
-        evicted = self._shrink(keep=key)
-        fits = self._bytes + self.reserved() <= self._max_bytes
+        reserved = self.reserved()  # nothing between here and the check changes it
+        evicted = self._shrink(keep=key, reserved=reserved)
+        fits = self._bytes + reserved <= self._max_bytes
         if not fits:  # only the new entry is left, and it does not fit beside the rest
             self._remove(key)
             self._rejected += 1
         if len(self._expiry) > len(self._entries) + len(self._entries) // 4 + STALE_EXPIRY_SLACK:
             self._drop_stale_expiry()
-        self._notify(expired, EvictReason.EXPIRED)
-        self._notify(evicted, EvictReason.LRU)
+        if expired:
+            self._notify(expired, EvictReason.EXPIRED)
+        if evicted:
+            self._notify(evicted, EvictReason.LRU)
         return fits
 
     def fit(self) -> int:
@@ -262,9 +265,10 @@ class ExactStore:
         self._notify(evicted, EvictReason.LRU)
         return len(evicted)
 
-    def _shrink(self, keep: str | None) -> list[str]:
+    def _shrink(self, keep: str | None, reserved: int | None = None) -> list[str]:
         evicted: list[str] = []
-        reserved = self.reserved()
+        if reserved is None:
+            reserved = self.reserved()
         while self._entries and self._bytes + reserved > self._max_bytes:
             oldest = next(iter(self._entries))
             if oldest == keep:

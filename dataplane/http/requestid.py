@@ -46,15 +46,18 @@ class RequestIds:
     process.
     """
 
-    __slots__ = ("_count", "_key", "_prefix")
+    __slots__ = ("_count", "_keyed", "_prefix")
 
     def __init__(self) -> None:
         self._prefix = os.urandom(8).hex()
-        self._key = os.urandom(16)
+        # Keyed once: a copy starts from the key's block already compressed,
+        # where a new keyed hash compresses it again for every id.
+        self._keyed = blake2b(key=os.urandom(16), digest_size=8)
         self._count = itertools.count(1)
 
     def next(self) -> str:
-        tail = blake2b(next(self._count).to_bytes(8, "little"), key=self._key, digest_size=8)
+        tail = self._keyed.copy()
+        tail.update(next(self._count).to_bytes(8, "little"))
         return self._prefix + tail.hexdigest()
 
     def of(self, client_id: str | None) -> str:

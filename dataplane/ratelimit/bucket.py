@@ -62,7 +62,9 @@ class TokenBucket:
         cap = self.capacity
         if cap <= 0:
             return False
-        level = self.refill(now)
+        # Refilled to `now` already (a request's headers read the buckets its
+        # admission has just refilled): no call.
+        level = self.level if now <= self.stamp else self.refill(now)
         return level >= amount or level >= cap
 
     def take(self, amount: float, now: float) -> None:
@@ -86,7 +88,7 @@ class TokenBucket:
 
     def reset_s(self, now: float) -> float:
         """Seconds until the bucket is full again (inf without refill)."""
-        missing = self.capacity - self.refill(now)
+        missing = self.capacity - (self.level if now <= self.stamp else self.refill(now))
         if missing <= 0:
             return 0.0
         return missing / self.rate if self.rate > 0 else INF

@@ -1078,13 +1078,14 @@ class RateLimiter:
                 continue
             f = st.fraction
             b = st.req
+            # The admission just before refilled them to `now`: no call then.
             if b is not None:
-                left = b.refill(now) / f if f > 0 else 0.0
+                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0 else 0.0
                 if left < req_left:
                     req_left, req, req_st = left, b, st
             b = st.tok
             if b is not None:
-                left = b.refill(now) / f if f > 0 else 0.0
+                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0 else 0.0
                 if left < tok_left:
                     tok_left, tok, tok_st = left, b, st
         # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket

@@ -178,7 +178,12 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
     fields = _COMPLETION_FIELDS.get(endpoint)
     if fields is None:
         return None
-    bound = next((body[f] for f in fields if body.get(f) is not None), None)
+    bound = None
+    for f in fields:  # a loop: a generator costs more than the one or two fields
+        value = body.get(f)
+        if value is not None:
+            bound = value
+            break
     if type(bound) is not int or bound < 0:
         return None
     choices = 1

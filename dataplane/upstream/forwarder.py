@@ -1843,5 +1843,9 @@ def _connection_options(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     """The header names a message's Connection headers list, lowercased."""
     if "connection" not in headers:
         return frozenset()
-    values = headers.getall("connection")
-    return frozenset(o.strip().lower() for v in values for o in v.split(",") if o.strip())
+    options: set[str] = set()
+    for value in headers.getall("connection"):  # loops: nginx says keep-alive on every answer
+        for option in value.split(","):
+            if option := option.strip():
+                options.add(option.lower())
+    return frozenset(options)
