@@ -176,11 +176,11 @@ def from_completion(
     if kind is None:
         return None
     if kind is not ResponseKind.EMBEDDINGS:
-        choices = obj["choices"]
-        for choice in choices:
+        reasons = []
+        for choice in obj["choices"]:
             if not isinstance(choice, dict):
                 return None
-        reasons = [c.get("finish_reason") for c in choices]
+            reasons.append(choice.get("finish_reason"))
         if finish_refusal(reasons, store_truncated=store_truncated) is not None:
             return None
     model = obj.get("model")

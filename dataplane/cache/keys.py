@@ -252,18 +252,16 @@ def canonical_request(
             params[name] = _canon_messages(value)
         else:
             params[name] = _canon(value)
-    doc: dict[str, Any] = {
-        "body": params,
-        "endpoint": endpoint,
-        "model": model,
-        "tenant": tenant,
-        "v": KEY_VERSION,
-    }
+    # Built in its keys' sorted order (JSON keeps insertion order), so no sort.
+    doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
     if headers:
         # Only when there are any, so the common key stays as it is.
         lowered = {k.lower(): v for k, v in headers.items()}
         doc["headers"] = {k: lowered[k] for k in sorted(lowered)}
-    return jsonio.dumps({k: doc[k] for k in sorted(doc)})
+    doc["model"] = model
+    doc["tenant"] = tenant
+    doc["v"] = KEY_VERSION
+    return jsonio.dumps(doc)
 
 
 def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:

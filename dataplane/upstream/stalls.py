@@ -89,8 +89,12 @@ class CallWatch:
     def __enter__(self) -> CallWatch:
         self._started = self._task.get_loop().time()
         self._cancelling = self._task.cancelling()
-        self._stalls.add(self)
-        self._stalls.bound(self)
+        stalls = self._stalls
+        stalls.add(self)
+        # Stalls.bound, without its calls for the usual healthy origin: a
+        # new watch has no cap to lift.
+        if self.origin in stalls.unhealthy:
+            self.cap(stalls.after_s)
         return self
 
     def __exit__(

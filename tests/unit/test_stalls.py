@@ -179,3 +179,23 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     assert await long == "answered"
     task = asyncio.current_task()
     assert task is not None and Stalls(None).call("o0", task) is None
+
+
+async def test_a_call_to_an_origin_already_marked_unhealthy_is_cut() -> None:
+    """CallWatch: a call that begins while the table marks its origin
+    unhealthy is bounded from its start; no later table has to say so."""
+    stalls = Stalls(0.01)
+    stalls.on_apply(routes("o0"), None)
+
+    async def call() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watch = stalls.call("o0", task)
+        assert watch is not None
+        with watch:
+            await asyncio.Event().wait()
+
+    # The outer bound only keeps a failure of this test from hanging.
+    with pytest.raises(Stalled, match=r"no answer within 0\.01 s"):
+        await asyncio.wait_for(call(), 10)
+    assert stalls.streams("o0") == 0
