@@ -45,10 +45,19 @@ def test_report_gives_ratios_to_the_pass_through() -> None:
     table = report(
         [Count("passthrough", 10, 5_000_000, 1.0), Count("features", 10, 7_500_000, 1.0)]
     ).splitlines()
-    assert table[1].split() == ["passthrough", "10", "500,000", "1.000"]
-    assert table[2].split() == ["features", "10", "750,000", "1.500"]
+    assert table[1].split() == ["passthrough", "10", "500,000", "500,000", "1.000"]
+    assert table[2].split() == ["features", "10", "750,000", "750,000", "1.500"]
+
+
+def test_the_idle_rate_over_the_window_is_taken_off() -> None:
+    # 2 s of window at 1 M a second idle: 2 M of the 7.5 M counted are the clock's.
+    counted = Count("features", 10, 7_500_000, 2.0, idle_per_s=1_000_000)
+    assert counted.raw_per_request == 750_000
+    assert counted.per_request == 550_000
+    table = report([Count("passthrough", 10, 5_000_000, 2.0), counted]).splitlines()
+    assert table[2].split() == ["features", "10", "550,000", "750,000", "1.100"]
 
 
 def test_report_without_the_pass_through_has_no_ratio() -> None:
     table = report([Count("defaults", 4, 400, 1.0)]).splitlines()
-    assert table[1].split() == ["defaults", "4", "100", "-"]
+    assert table[1].split() == ["defaults", "4", "100", "100", "-"]
