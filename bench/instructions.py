@@ -54,7 +54,8 @@ frames all run inside CPython's evaluator, so for a Python-level breakdown use
 bench/profile.py (py-spy) or cProfile in process; this tool gives the totals.
 
 Bounded in time: valgrind runs Python some 50x slower, and the defaults take
-about 5 minutes (three start-ups, 3 x 1,300 requests). Needs valgrind (Debian
+about 3 minutes on a quiet machine (three start-ups, 3 x 10 s idle, 3 x 1,300
+requests). Needs valgrind (Debian
 package ``valgrind``) and nginx (``make nginx``).
 """
 

@@ -555,10 +555,11 @@ def write_report(directory: Path) -> Path:
         'runs bench/compare.py\'s "cpu" topology (canned nginx origin) with the server under '
         "test (the pass-through, Ponto with defaults, Ponto with key auth, limits and the exact "
         "cache) under callgrind, counts the instructions of 1,000 sequential requests after 300 "
-        "uncounted ones, and prints instructions per request and the ratio to the pass-through. "
-        "Counts repeat within a few tenths of a percent whatever else runs, so it compares one "
-        "change with another; it is not a time (see the module's docstring). About 2 minutes; "
-        "needs valgrind.",
+        "uncounted ones, less what the server runs on its own clock meanwhile (its idle rate, "
+        "counted for 10 s first), and prints instructions per request and the ratio to the "
+        "pass-through. Counts repeat within a few tenths of a percent whatever else runs, so it "
+        "compares one change with another; it is not a time (see the module's docstring). About 3 "
+        "minutes; needs valgrind.",
         "",
     ]
     for name, data in results.items():
