@@ -16,7 +16,7 @@ import pytest
 from controlplane.api.admin import origin_pb
 from controlplane.apply import ApplyError, document, parse
 from controlplane.catalog import Catalog
-from controlplane.cli import _as_spec, _origin_changes, _origin_spec, _parser, _rows_origins
+from controlplane.cli import _as_spec, _origin_changes, _rows_origins
 from controlplane.compile import compile_table
 from controlplane.errors import InvalidArgument
 from controlplane.messages import origin_of
@@ -29,6 +29,7 @@ from ponto.routetable import content_etag
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_cli_older_plane import BEFORE_371271B, OlderPlane, pontoctl
+from tests.unit.test_origin_probe_settings import spec_of
 
 EAST = Region("east", 40.0, -74.0)
 OPENAI = Origin(
@@ -147,12 +148,6 @@ def test_the_document_refuses_another_value_at_its_field(value: object, error: s
 
 
 # ---------------------------------------------------------------- pontoctl
-
-
-def spec_of(current: pb.Origin | None, *flags: str) -> apb.OriginSpec:
-    base = [] if current else ["--url", "http://h/v1", "--region", "east", "--models", "m"]
-    args = _parser().parse_args(["origin", "add", "o", *base, *flags])
-    return _origin_spec(args, current)
 
 
 def test_origin_add_sets_it_and_update_keeps_or_resets_it() -> None:
