@@ -1488,12 +1488,22 @@ def _rows_audit(resp: apb.ListAuditResponse) -> tuple[list[str], list[list[str]]
             e.action,
             e.target,
             e.source,
-            _cut(e.detail.get("changes", ""), AUDIT_CHANGES_CHARS),
+            _cut(_changes_with_reason(e.detail), AUDIT_CHANGES_CHARS),
             # Refusals of Apply list one error a line: the table shows the start.
             e.result if not e.message else f"{e.result}: {' '.join(e.message.split())[:60]}",
         ]
         for e in resp.entries
     ]
+
+
+def _changes_with_reason(detail: Mapping[str, str]) -> str:
+    """An entry's `changes`, and the reason its call gave when the changes
+    do not say it already (a key resumed `--reason ...`: trial 72 found it in
+    `-o json` alone)."""
+    changes, reason = detail.get("changes", ""), detail.get("reason", "")
+    if not reason or json.dumps(reason, ensure_ascii=False) in changes:
+        return changes
+    return f"{changes} (reason: {_shown(reason)})" if changes else f"reason: {_shown(reason)}"
 
 
 # The longest HEALTHY cell of `get origins`' table.

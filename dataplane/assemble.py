@@ -12,13 +12,16 @@ Rules, in order:
    for Responses, the `instructions` (before the client's own, or, when
    enforced, instead of them and of every system and developer item of the
    `input`); completions and embeddings have no place for one;
-3. defaults: parameters the client left out;
+3. defaults: parameters the client left out (a token limit only when it
+   named none: beside the client's `max_tokens`, a default
+   `max_completion_tokens` would override it on vLLM, which reads that first);
 4. the max_tokens ceiling: max_tokens and max_completion_tokens (Responses:
    max_output_tokens) are clamped to it, and set to it when the client sent
-   none. A chat request's added one is `max_tokens`, and said so
-   (`Assembly.ceiling_added`): the forwarder sends it to each origin in that
-   origin's field (Target.max_tokens_field), as OpenAI's reasoning models
-   refuse max_tokens and Ollama reads nothing else.
+   none. A chat request's `max_tokens` the proxy added (the ceiling, or a
+   tenant's default) is said so (`Assembly.max_tokens_added`): the forwarder
+   sends it to each origin in that origin's field (Target.max_tokens_field),
+   as OpenAI's reasoning models refuse max_tokens and Ollama reads nothing
+   else.
 """
 
 from __future__ import annotations
@@ -62,10 +65,11 @@ class Assembly(NamedTuple):
     """What `assembled` did to a body."""
 
     changed: bool
-    # A chat request that named no token limit got the ceiling as
-    # `max_tokens`: the one field the proxy may send an origin under another
-    # name (a client's own fields are its choice, and go as sent).
-    ceiling_added: bool = False
+    # A chat request that named no token limit got `max_tokens` from the
+    # proxy (the tenant's ceiling or default): the one field the proxy may
+    # send an origin under another name (a client's own fields are its
+    # choice, and go as sent).
+    max_tokens_added: bool = False
 
 
 UNCHANGED = Assembly(False)
@@ -102,6 +106,10 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
     if rules.system_prompt and endpoint == "responses":
         _instruct(body, rules)
         changed = True
+    chat = endpoint == "chat.completions"
+    # The client named a token limit: no default adds another (trial 72).
+    limited = chat and any(body.get(f) is not None for f in TOKEN_FIELDS)
+    added = False  # the body's max_tokens is the proxy's
     for name, value in rules.defaults.items():
         # A field set to null is left out as far as the proxy is concerned
         # (the cache key holds it so too); the SDKs send null for None
@@ -110,10 +118,12 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
             body.get(name) is None
             and default_applies(endpoint, name)
             and (name not in TOOL_FIELDS or body.get("tools"))
+            and not (limited and name in TOKEN_FIELDS)
         ):
             # A copy: a list or object default must not be shared by requests.
             body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True
+            added = added or (chat and name == "max_tokens")
     ceiling = rules.max_tokens_ceiling
     if ceiling and endpoint != "embeddings":
         present = False
@@ -135,8 +145,8 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
                 changed = True
         if not present:
             body[fields[0]] = ceiling
-            return Assembly(True, ceiling_added=endpoint == "chat.completions")
-    return Assembly(changed)
+            return Assembly(True, max_tokens_added=chat)
+    return Assembly(changed, max_tokens_added=added)
 
 
 def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:

@@ -328,7 +328,9 @@ function renderSuspended(suspended, now) {
       k.since
         ? el("td", { title: utc(k.since) }, `${utc(k.since)} (${age(Math.max(0, now - k.since))})`)
         : el("td", { title: NO_SINCE }, "–"),
-      k.reason ? el("td", { class: "reason" }, k.reason) : el("td", { class: "none" }, "no reason given"))),
+      k.reason ? el("td", { class: "reason" }, k.reason)
+        // No time either: suspended by (or read through) a control plane older than reasons.
+        : el("td", { class: "none" }, k.since ? "no reason given" : "not known (an older control plane's)"))),
   ];
   document.querySelector("#suspended tbody").replaceChildren(...rows);
   const more = [];

@@ -163,9 +163,10 @@ class Exchange:
     tenant: TenantRules | None = None
     model: str = ""
     rewritten: bool = False  # assembly changed the body: `raw` no longer matches it
-    # The tenant's ceiling went into the body as `max_tokens` (a chat request
-    # that named no limit): sent to each origin in its own field.
-    ceiling_added: bool = False
+    # The proxy put `max_tokens` into the body (the tenant's ceiling or
+    # default; a chat request that named no limit): sent to each origin in
+    # its own field.
+    max_tokens_added: bool = False
     # A stream whose origin is asked for the usage chunk its client did not
     # ask for (--origin-stream-usage always): counted by the origin's usage,
     # which its client is not shown (dataplane.streaming.usage).
@@ -456,7 +457,7 @@ class Pipeline:
             ex.sent = {k: ex.body[k] for k in ("messages", "input") if k in ex.body}
         rules = ex.tenant.prompt
         done = assembled(ex.endpoint.name, ex.body, rules)
-        ex.ceiling_added = done.ceiling_added
+        ex.max_tokens_added = done.max_tokens_added
         ex.rewritten = done.changed or names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:
@@ -679,7 +680,7 @@ class Pipeline:
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
                 model=ex.model,
-                ceiling_added=ex.ceiling_added,
+                max_tokens_added=ex.max_tokens_added,
                 plain_body=(lambda: jsonio.dumps(ex.body) if ex.rewritten else ex.raw)
                 if ex.usage_added
                 else None,

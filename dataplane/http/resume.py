@@ -149,7 +149,7 @@ class Continuations:
                 tenants_own=ex.idle_timeout_own,
                 tenant=ex.principal.tenant,
                 model=ex.model,
-                ceiling_added=ex.ceiling_added,
+                max_tokens_added=ex.max_tokens_added,
                 plain_body=(lambda: jsonio.dumps(body)) if ex.usage_added else None,
             )
         except asyncio.CancelledError:

@@ -381,9 +381,9 @@ class _Tries:
     model: str = ""
     # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
     model_missing: int = 0
-    # The body's `max_tokens` is the tenant's ceiling the proxy added, not
-    # the client's: sent in each origin's own field (Target.max_tokens_field).
-    ceiling_added: bool = False
+    # The body's `max_tokens` is the proxy's (the tenant's ceiling or default),
+    # not the client's: sent in each origin's own field (Target.max_tokens_field).
+    max_tokens_added: bool = False
     # The body as the client's request made it, when the one sent adds
     # `stream_options.include_usage` for the proxy's count (forward's
     # `plain_body`); sent instead to an origin that refuses the member.
@@ -542,7 +542,7 @@ class Forwarder:
         method: str | None = None,
         tenant: str = "",
         model: str = "",
-        ceiling_added: bool = False,
+        max_tokens_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
@@ -597,8 +597,8 @@ class Forwarder:
         serve its other models well); when every origin tried says so,
         ApiError 404 model_not_found.
 
-        `ceiling_added`: the body's `max_tokens` is a tenant's ceiling the
-        proxy added to a chat request that named no limit. An origin whose
+        `max_tokens_added`: the body's `max_tokens` is one the proxy added
+        (a tenant's ceiling or default) to a chat request that named no limit. An origin whose
         Target.max_tokens_field names another field is sent it in that one
         (OpenAI's reasoning models refuse max_tokens).
 
@@ -618,7 +618,7 @@ class Forwarder:
             method=method,
             tenant=tenant,
             model=model,
-            ceiling_added=ceiling_added,
+            max_tokens_added=max_tokens_added,
             plain_body=plain_body,
         )
         if stream and settings.first_chunk_timeout is not None:
@@ -1146,14 +1146,14 @@ class Forwarder:
         (Target.model_names), the body sent names it so: per attempt, so a
         failover or a hedge to another origin sends that one's name, or the
         client's. So is a ceiling the proxy added as max_tokens
-        (`ceiling_added`) sent in the origin's max_tokens_field. Only those
+        (`max_tokens_added`) sent in the origin's max_tokens_field. Only those
         bodies are encoded again; others go as given."""
         plain = tries.plain_body if tries is not None else None
         names = target.model_names
         # The common attempt (no names, no ceiling added) tests two values.
-        if tries is not None and (names or tries.ceiling_added):
+        if tries is not None and (names or tries.max_tokens_added):
             own = names.get(tries.model) if names else None
-            token_field = target.max_tokens_field if tries.ceiling_added else ""
+            token_field = target.max_tokens_field if tries.max_tokens_added else ""
             if own is not None or token_field:
                 body = renamed(body, own, token_field)
                 if plain is not None:

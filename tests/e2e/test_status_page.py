@@ -830,6 +830,8 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
             key,
             {**key, "id": "k2", "tenant": HOSTILE, "tenant_suspended": True, "reason": ""},
             {**key, "id": "k3", "since": None, "reason": "abuse", "expired": True},
+            # Suspended by a control plane older than reasons (trial 72).
+            {**key, "id": "k4", "since": None, "reason": ""},
         ],
         "more_keys": 0,
     }
@@ -848,6 +850,7 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
         [HOSTILE, "k2its tenant is suspended too", "2026-11-30T00:53:20Z (5 min ago)",
          "no reason given"],
         ["beta", "k3expired too", DASH, "abuse"],
+        ["beta", "k4", DASH, "not known (an older control plane's)"],
     ]  # fmt: skip
     assert shown == [True, 0, "suspended by a control plane older than reasons: when is not known"]
     assert page.execute_script("return window.pwned === undefined")

@@ -268,6 +268,9 @@ def _tenant(**fields: Any) -> Doc:
         (_tenant(streams={"hedge_ms": "soon"}), "hedge_ms"),
         (_tenant(jwt={"issuer": "i", "algorithms": ["none"]}), "algorithms.0"),
         (_tenant(models=[]), "models"),
+        # A reason only of a suspended tenant (trial 72: the hook Job failed).
+        (_tenant(suspended=False, suspended_reason="stale"), "suspended"),
+        (_tenant(suspended_reason="stale"), "suspended"),
         ({"topology": {"tenants": [{"name": "Acme"}]}}, "tenants.0.name"),
     ],
 )

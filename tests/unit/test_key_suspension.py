@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from controlplane.catalog import REPLICAS, Catalog
-from controlplane.cli import _AUDITED, Shown, _keys_text, _parser, _rows_keys, run
+from controlplane.cli import _AUDITED, Shown, _keys_text, _parser, _rows_audit, _rows_keys, run
 from controlplane.compile import compile_table
 from controlplane.errors import FailedPrecondition, InvalidArgument, NotFound
 from controlplane.model import (
@@ -421,3 +421,21 @@ def test_a_key_reason_of_spaces_is_none_and_not_called_unsaved() -> None:
     said = pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "   ")
     assert stub.sent[-1].reason == ""
     assert not isinstance(said, Shown) or not said.not_saved
+
+
+def test_get_audit_says_why_a_key_was_resumed() -> None:
+    """Trial 72: a resumption's reason was in `-o json` alone."""
+
+    def entry(action: str, changes: str, reason: str) -> apb.AuditEntry:
+        return apb.AuditEntry(
+            action=action, target="key/k", detail={"changes": changes, "reason": reason}
+        )
+
+    resumed = entry("ResumeKey", 'suspended true -> false; suspended_reason "x" -> removed', "ok")
+    suspended = entry("SuspendKey", 'suspended false -> true; suspended_reason unset -> "x"', "x")
+    _, rows = _rows_audit(apb.ListAuditResponse(entries=[resumed, suspended]))
+    changes = [row[5] for row in rows]
+    assert changes == [
+        'suspended true -> false; suspended_reason "x" -> removed (reason: ok)',
+        'suspended false -> true; suspended_reason unset -> "x"',  # said already
+    ]

@@ -222,8 +222,8 @@ CEILING = PromptRules(max_tokens_ceiling=100)
     ("endpoint", "body", "expected"),
     [
         # Added to a chat request that named no limit (or null): said so.
-        ("chat.completions", {}, Assembly(True, ceiling_added=True)),
-        ("chat.completions", {"max_tokens": None}, Assembly(True, ceiling_added=True)),
+        ("chat.completions", {}, Assembly(True, max_tokens_added=True)),
+        ("chat.completions", {"max_tokens": None}, Assembly(True, max_tokens_added=True)),
         ("chat.completions", {"max_completion_tokens": None}, Assembly(True, True)),
         # The client's own, clamped or not: never added.
         ("chat.completions", {"max_tokens": 500}, Assembly(True)),
@@ -239,6 +239,23 @@ def test_assembly_says_when_the_ceiling_was_added_to_a_chat_request(
 ) -> None:
     assert assembled(endpoint, {"model": "m", **body}, CEILING) == expected
     assert assembled(endpoint, {"model": "m", **body}, PromptRules()) == Assembly(False)
+
+
+def test_a_tenants_default_max_tokens_is_the_proxys_too() -> None:
+    """Trial 72: a default max_tokens went to an origin that refuses it, as
+    the ceiling found the field there and said nothing was added."""
+    rules = PromptRules(max_tokens_ceiling=500, defaults={"max_tokens": 300})
+    body: dict[str, Any] = {"model": "m"}
+    assert assembled("chat.completions", body, rules) == Assembly(True, max_tokens_added=True)
+    assert body["max_tokens"] == 300
+    alone = PromptRules(defaults={"max_tokens": 300})
+    assert assembled("chat.completions", {"model": "m"}, alone).max_tokens_added
+    # The client's own limit: no default adds another beside it (vLLM would
+    # read a default max_completion_tokens before the client's max_tokens).
+    other = PromptRules(defaults={"max_completion_tokens": 300, "max_tokens": 200})
+    own: dict[str, Any] = {"model": "m", "max_tokens": 50}
+    assert assembled("chat.completions", own, other) == Assembly(False)
+    assert own == {"model": "m", "max_tokens": 50}
 
 
 def test_a_body_sent_in_another_field_changes_only_that_field() -> None:
