@@ -829,7 +829,7 @@ class Catalog:
         )
 
     async def set_key_suspended(
-        self, key_id: str, suspended: bool, reason: str = ""
+        self, key_id: str, suspended: bool, reason: str | None = None
     ) -> tuple[ApiKeyRecord, ApiKeyRecord | None]:
         """Suspend key `key_id` (proxies refuse its callers, 403
         api_key_suspended) or resume it, keeping all else it has (its limits,
@@ -841,10 +841,12 @@ class Catalog:
 
         A suspension keeps `reason` (model.check_reason: one short printable line,
         else InvalidArgument) and this replica's time; suspending a suspended
-        key with another reason replaces the reason only, and without one
-        changes nothing. Resuming clears both (`reason` is then the audit
-        entry's alone)."""
-        reason = check_reason("a suspension's reason", reason.strip())
+        key with another reason replaces the reason only (one of none, "",
+        clears it: trial 72 could only write over a reason given by mistake),
+        and without one (None) changes nothing. Resuming clears both
+        (`reason` is then the audit entry's alone)."""
+        if reason is not None:
+            reason = check_reason("a suspension's reason", reason.strip())
         read: list[ApiKeyRecord] = []  # the key as the last attempt read it
 
         def change(k: ApiKeyRecord) -> ApiKeyRecord | None:
@@ -862,9 +864,9 @@ class Catalog:
                 )
             if not k.suspended:
                 return replace(
-                    k, suspended=True, suspended_reason=reason, suspended_at=self._clock()
+                    k, suspended=True, suspended_reason=reason or "", suspended_at=self._clock()
                 )
-            if reason and reason != k.suspended_reason:
+            if reason is not None and reason != k.suspended_reason:
                 return replace(k, suspended_reason=reason)
             return None
 

@@ -932,18 +932,16 @@ def _parser() -> argparse.ArgumentParser:
     ks.add_argument("id", help="the key's id (key list)")
     ks.add_argument(
         "--reason",
-        default="",
         metavar="TEXT",
         help="why, for operators, one line of at most 200 characters: `key list` and the "
         "status page (which needs no token to read) show it while the key is suspended, and "
         "the audit trail keeps it (never sent to the key's callers); given again, it replaces "
-        "the reason of a suspended key",
+        "the reason of a suspended key (--reason '' clears it)",
     )
     kr = key.add_parser("resume", help="serve a suspended key's callers again")
     kr.add_argument("id", help="the key's id (key list)")
     kr.add_argument(
         "--reason",
-        default="",
         metavar="TEXT",
         help="why, for the audit trail (a control plane older than reasons drops it)",
     )
@@ -2432,21 +2430,22 @@ def _revoke(stub: Any, key_id: str) -> str:
     return f"key {k.id} of tenant {k.tenant} revoked"
 
 
-def _suspend(stub: Any, key_id: str, suspended: bool, reason: str = "") -> str:
+def _suspend(stub: Any, key_id: str, suspended: bool, reason: str | None = None) -> str:
     """Suspend or resume key `key_id`, saying what the proxies do now. A
     control plane older than suspension has no such call: UNIMPLEMENTED; one
-    older than reasons drops a suspension's reason (NOT SAVED: reason)."""
-    reason = reason.strip()  # as stored: one of spaces is none
+    older than reasons drops a suspension's reason (NOT SAVED: reason).
+    `reason` None: not given (a suspended key keeps its own); "": none."""
+    if reason is not None:
+        reason = reason.strip()  # as stored: one of spaces is none
     before = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
     current = next((k for k in before.keys if k.id == key_id), None)
     asked = apb.SetKeySuspendedRequest(id=key_id, suspended=suspended, reason=reason)
     k = stub.SetKeySuspended(asked)
     lost = ("reason",) if suspended and reason and not k.suspended_reason else ()
     if current is not None and current.suspended == suspended:
-        if suspended and reason and current.suspended_reason != k.suspended_reason:
-            return Shown(
-                f"key {k.id} of tenant {k.tenant} was suspended: reason now {_shown(reason)!r}"
-            )
+        if suspended and reason is not None and current.suspended_reason != k.suspended_reason:
+            now = f"now {_shown(reason)!r}" if reason else "cleared"
+            return Shown(f"key {k.id} of tenant {k.tenant} was suspended: reason {now}")
         if suspended:
             return Shown(
                 f"key {k.id} of tenant {k.tenant} was already suspended: nothing changed", lost

@@ -570,7 +570,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: apb.SetKeySuspendedRequest, context: Ctx
     ) -> apb.ApiKeyInfo:
         saved, before = await self._catalog.set_key_suspended(
-            request.id, request.suspended, request.reason
+            request.id, request.suspended, request.reason if request.HasField("reason") else None
         )
         auditing.note(changes=auditing.suspension_changes(before, saved))
         if before is not None and not before.suspended and saved.suspended:

@@ -1001,21 +1001,24 @@ class SetKeySuspendedRequest(_message.Message):
     reason: _builtins.str
     """Why, for operators (the key's suspended_reason, and the audit entry's);
     at most 200 printable characters. Suspending a suspended key with
-    another reason replaces the reason and keeps its suspended_at. Resuming
-    clears both; a reason given then goes to the audit entry only.
+    another reason replaces the reason (an empty one clears it) and keeps
+    its suspended_at; without one it changes nothing. Resuming clears both;
+    a reason given then goes to the audit entry only.
     """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         suspended: _builtins.bool = ...,
-        reason: _builtins.str = ...,
+        reason: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reason", b"_reason", "reason", b"reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "reason", b"reason", "suspended", b"suspended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reason", b"_reason", "id", b"id", "reason", b"reason", "suspended", b"suspended"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__reason: _TypeAlias = _typing.Literal["reason"]  # noqa: Y015
+    _WhichOneofArgType__reason: _TypeAlias = _typing.Literal["_reason", b"_reason"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reason) -> _WhichOneofReturnType__reason | None: ...
 
 Global___SetKeySuspendedRequest: _TypeAlias = SetKeySuspendedRequest  # noqa: Y015
 

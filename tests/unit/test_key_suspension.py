@@ -89,10 +89,13 @@ async def test_a_suspension_keeps_its_reason_and_time_until_the_key_is_resumed()
     # Suspended again: the time is the new suspension's, the old reason gone.
     again, _ = await catalog.set_key_suspended(record.id, True)
     assert (again.suspended_reason, again.suspended_at) == ("", 2000.0)
-    # The longest reason taken; spaces around one are not kept, nor one of spaces.
+    # The longest reason taken; spaces around one are not kept.
     longest, _ = await catalog.set_key_suspended(record.id, True, " " + "x" * 200 + " ")
     assert longest.suspended_reason == "x" * 200
-    assert (await catalog.set_key_suspended(record.id, True, "   "))[1] is None
+    # None given keeps it; an empty one, or one of spaces, clears it (trial 72).
+    assert (await catalog.set_key_suspended(record.id, True))[1] is None
+    cleared, _ = await catalog.set_key_suspended(record.id, True, "   ")
+    assert (cleared.suspended_reason, cleared.suspended_at) == ("", 2000.0)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +213,7 @@ class Stub:
         answer.suspended = req.suspended
         if not req.suspended:
             answer.suspended_reason, answer.suspended_at = "", 0.0
-        elif req.reason:
+        elif req.HasField("reason"):
             answer.suspended_reason = req.reason
         self.key = answer
         return answer
@@ -253,10 +256,18 @@ def test_pontoctl_sends_a_reason_and_says_it() -> None:
     assert pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "rotated") == (
         "key abcdefghij of tenant acme was suspended: reason now 'rotated'"
     )
+    # Not given: the reason is kept; empty: cleared (trial 72).
+    pontoctl(stub, "key", "suspend", "abcdefghij")
+    assert not stub.sent[-1].HasField("reason") and stub.key.suspended_reason == "rotated"
+    assert pontoctl(stub, "key", "suspend", "abcdefghij", "--reason", "") == (
+        "key abcdefghij of tenant acme was suspended: reason cleared"
+    )
     pontoctl(stub, "key", "resume", "abcdefghij", "--reason", "new key deployed")
     assert [(r.suspended, r.reason) for r in stub.sent] == [
         (True, "leaked in a CI log"),
         (True, "rotated"),
+        (True, ""),
+        (True, ""),
         (False, "new key deployed"),
     ]
 
