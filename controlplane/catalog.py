@@ -78,6 +78,7 @@ from controlplane.model import (
     encode,
     encode_over,
     rtt_warnings,
+    suspension_stamped,
     unserved_aliases,
     unserved_purge,
     unserved_settings,
@@ -421,6 +422,11 @@ class Catalog:
                     raise ChangedSinceRead(f"{kind} {value.name!r}")
                 if isinstance(value, Region | Origin):
                     written = replace(value, drained=stored.drained)
+            if isinstance(written, Tenant):
+                old = decode(current.value) if current is not None else None
+                written = suspension_stamped(
+                    written, old if isinstance(old, Tenant) else None, self._clock
+                )
             try:
                 await _guard(
                     self.store.put(
@@ -499,7 +505,7 @@ class Catalog:
             # A prompt stored before a rule is not refused by a write that
             # leaves it as it was (review 200: it blocked every suspension).
             kept = changed.prompt.system_prompt == t.prompt.system_prompt
-            updated = changed.validated(stored=kept)
+            updated = suspension_stamped(changed.validated(stored=kept), t, self._clock)
             if updated.jwt is not None and updated.jwt.issuer in issuers:
                 raise AlreadyExists(
                     f"JWT issuer {updated.jwt.issuer!r} already belongs to tenant "
@@ -649,7 +655,12 @@ class Catalog:
             writes = []
             for change in plan.writes():
                 key = _PREFIX[change.kind] + change.name
-                value = None if change.value is None else encode_over(change.value, stored.get(key))
+                written = change.value
+                if isinstance(written, Tenant):  # the file says nothing of the time
+                    was = stored.get(key)
+                    old = decode_tenant(was) if was is not None else None
+                    written = suspension_stamped(written, old, self._clock)
+                value = None if written is None else encode_over(written, stored.get(key))
                 writes.append(Write(key, value, if_mod_revision=revisions.get(key, 0)))
                 if change.kind == "origin" and change.action == "deleted":
                     writes.append(Write(HEALTH + change.name, None))

@@ -1385,9 +1385,12 @@ def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list
     )
     aliased = [line for t in tenants for line in _alias_settings(t)]
     suspended = [
-        f"tenant {t.name} suspended: {_shown(t.suspended_reason)}"
+        f"tenant {t.name} suspended"
+        + (f" since {utc(t.suspended_at)}" if t.suspended_at else "")
+        + f": {_shown(t.suspended_reason) or 'no reason given'}"
         for t in tenants
-        if t.suspended and t.suspended_reason
+        # Known of a suspension written by a control plane of reasons.
+        if t.suspended and (t.suspended_reason or t.suspended_at)
     ]
     return (
         ([UNSERVED_NOTE] if unserved else [])

@@ -90,9 +90,10 @@ def compile_table(state: State) -> pb.RouteTable:
             )
         )
     tenants = {t.name for t in state.tenants}
-    # The operators' reason is not the proxies': a table changes with what they enforce.
+    # The operators' reason and time are not the proxies': a table changes
+    # with what they enforce.
     table.tenants.extend(
-        tenant_pb(replace(t, suspended_reason=""))
+        tenant_pb(replace(t, suspended_reason="", suspended_at=0.0))
         for t in sorted(state.tenants, key=lambda t: t.name)
     )
     table.keys.extend(
@@ -181,6 +182,7 @@ def tenant_pb(t: Tenant) -> pb.Tenant:
         models=pb.ModelAccess(names=t.models.names),
         suspended=t.suspended,
         suspended_reason=t.suspended_reason,
+        suspended_at=t.suspended_at,
     )
     if t.jwt is not None:
         out.jwt.CopyFrom(

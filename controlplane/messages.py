@@ -140,4 +140,5 @@ def tenant_of(m: pb.Tenant) -> Tenant:
         models=models_of(m.models),
         suspended=m.suspended,
         suspended_reason=m.suspended_reason,
+        suspended_at=m.suspended_at,
     )

@@ -17,7 +17,7 @@ import re
 import types
 import typing
 import unicodedata
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -991,8 +991,11 @@ class Tenant:
     models: ModelAccess = ModelAccess()
     # Its callers are refused (403 tenant_suspended); keys and settings kept.
     suspended: bool = False
-    # While suspended: the operator's reason (never in route tables).
+    # While suspended: the operator's reason (never in route tables), and
+    # since when (Unix seconds; 0: not known), which the catalog sets
+    # (suspension_stamped), never a caller.
     suspended_reason: str = ""
+    suspended_at: float = 0.0
 
     def validated(self, *, stored: bool = False) -> Tenant:
         """This tenant with each block validated; the first block's
@@ -1496,7 +1499,22 @@ def decode_tenant(raw: bytes) -> Tenant:
         suspended_reason=readable_reason(str(fields.get("suspended_reason") or ""))
         if suspended
         else "",
+        suspended_at=float(fields.get("suspended_at") or 0.0) if suspended else 0.0,
     )
+
+
+def suspension_stamped(new: Tenant, old: Tenant | None, clock: Callable[[], float]) -> Tenant:
+    """`new`, to be written over `old` (None: a new record), with the time of
+    its suspension as the store keeps it: `old`'s when it was suspended
+    already, `clock()` (read only then) when this write suspends it, none
+    when it serves. What a caller or a file says of the time is not taken."""
+    if not new.suspended:
+        at = 0.0
+    elif old is not None and old.suspended and old.suspended_at:
+        at = old.suspended_at
+    else:
+        at = clock()
+    return new if at == new.suspended_at else replace(new, suspended_at=at)
 
 
 def decode_key(raw: bytes) -> ApiKeyRecord:

@@ -27,6 +27,9 @@ class SuspendedTenant:
     name: str
     # The operator's words ("" when none were given; never shown to callers).
     reason: str
+    # Unix seconds of the suspension; 0: not known (made by a control plane
+    # older than the time).
+    since: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ def of_state(state: State) -> Suspensions:
     """The suspensions of `state`. Called once per table build, O(keys):
     a page build then only slices the result."""
     tenants = {t.name for t in state.tenants}
-    suspended = {t.name: t.suspended_reason for t in state.tenants if t.suspended}
+    suspended = {t.name: t for t in state.tenants if t.suspended}
     keys = [
         SuspendedKey(
             id=k.id,
@@ -76,7 +79,10 @@ def of_state(state: State) -> Suspensions:
         if k.suspended and not k.revoked and k.tenant in tenants
     ]
     keys.sort(key=lambda k: (-k.since, k.id))
-    by_name = tuple(SuspendedTenant(name, reason) for name, reason in sorted(suspended.items()))
+    by_name = tuple(
+        SuspendedTenant(name, t.suspended_reason, t.suspended_at)
+        for name, t in sorted(suspended.items())
+    )
     return Suspensions(by_name, tuple(keys))
 
 
@@ -85,7 +91,10 @@ def status_rows(s: Suspensions | None, now: float, limit: int = LISTED) -> dict[
     each kind and how many more there are. `s` None: no table built yet."""
     s = s or Suspensions()
     return {
-        "tenants": [{"name": t.name, "reason": t.reason} for t in s.tenants[:limit]],
+        "tenants": [
+            {"name": t.name, "reason": t.reason, "since": t.since or None}
+            for t in s.tenants[:limit]
+        ],
         "more_tenants": max(0, len(s.tenants) - limit),
         "keys": [
             {

@@ -303,8 +303,21 @@ function utc(seconds) {
 }
 
 const NO_SINCE = "suspended by a control plane older than reasons: when is not known";
-const TENANT_SINCE = "a tenant's suspension keeps no time: `pontoctl get audit` has who "
-  + "suspended it and when";
+
+// When a tenant or key was suspended, and how long ago; "–" when not known.
+function since(at, now) {
+  return at
+    ? el("td", { title: utc(at) }, `${utc(at)} (${age(Math.max(0, now - at))})`)
+    : el("td", { title: NO_SINCE }, "–");
+}
+
+// The operator's reason, as text; with no time either, the suspension was
+// made by (or is read through) a control plane older than reasons.
+function reasonCell(reason, at) {
+  return reason
+    ? el("td", { class: "reason" }, reason)
+    : el("td", { class: "none" }, at ? "no reason given" : "not known (an older control plane's)");
+}
 
 // The suspended tenants, then keys (the API's most recent first), one row
 // each; the section shows only while something is. A reason is an
@@ -316,8 +329,8 @@ function renderSuspended(suspended, now) {
     ...tenants.map((t) => el("tr", { "data-suspended-tenant": t.name },
       el("td", {}, t.name),
       el("td", { class: "all" }, "all its callers (403 tenant_suspended)"),
-      el("td", { title: TENANT_SINCE }, "–"),
-      t.reason ? el("td", { class: "reason" }, t.reason) : el("td", { class: "none" }, "no reason given"))),
+      since(t.since, now),
+      reasonCell(t.reason, t.since))),
     ...keys.map((k) => el("tr", { "data-suspended-key": k.id },
       el("td", {}, k.tenant),
       el("td", {}, k.id,
@@ -325,12 +338,8 @@ function renderSuspended(suspended, now) {
         k.tenant_suspended
           ? el("span", { class: "why note" }, "its tenant is suspended too") : null,
         k.expired ? el("span", { class: "why note" }, "expired too") : null),
-      k.since
-        ? el("td", { title: utc(k.since) }, `${utc(k.since)} (${age(Math.max(0, now - k.since))})`)
-        : el("td", { title: NO_SINCE }, "–"),
-      k.reason ? el("td", { class: "reason" }, k.reason)
-        // No time either: suspended by (or read through) a control plane older than reasons.
-        : el("td", { class: "none" }, k.since ? "no reason given" : "not known (an older control plane's)"))),
+      since(k.since, now),
+      reasonCell(k.reason, k.since))),
   ];
   document.querySelector("#suspended tbody").replaceChildren(...rows);
   const more = [];

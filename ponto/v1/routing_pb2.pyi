@@ -803,6 +803,7 @@ class Tenant(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     SUSPENDED_FIELD_NUMBER: _builtins.int
     SUSPENDED_REASON_FIELD_NUMBER: _builtins.int
+    SUSPENDED_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     suspended: _builtins.bool
     """Its callers are refused (403 tenant_suspended) before anything else
@@ -811,6 +812,11 @@ class Tenant(_message.Message):
     suspended_reason: _builtins.str
     """While suspended: why, as the operator said (the Admin API's and apply
     files'; route tables never carry it, and its callers never see it).
+    """
+    suspended_at: _builtins.float
+    """While suspended: since when (Unix seconds, the control plane's clock
+    when a write first suspended it; 0: not known). The Admin API's alone:
+    not in route tables, nor in apply files (the control plane keeps it).
     """
     @_builtins.property
     def limits(self) -> Global___Limits: ...
@@ -843,10 +849,11 @@ class Tenant(_message.Message):
         models: Global___ModelAccess | None = ...,
         suspended: _builtins.bool = ...,
         suspended_reason: _builtins.str = ...,
+        suspended_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "prompt", b"prompt", "routing", b"routing", "streams", b"streams"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended", "suspended_reason", b"suspended_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "jwt", b"jwt", "limits", b"limits", "models", b"models", "name", b"name", "prompt", b"prompt", "routing", b"routing", "streams", b"streams", "suspended", b"suspended", "suspended_at", b"suspended_at", "suspended_reason", b"suspended_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -824,7 +824,11 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
     key = {"id": "k1", "tenant": "beta", "tenant_suspended": False, "since": since,
            "reason": HOSTILE, "expired": False}  # fmt: skip
     suspended = {
-        "tenants": [{"name": HOSTILE, "reason": HOSTILE}, {"name": "gamma", "reason": ""}],
+        "tenants": [
+            {"name": HOSTILE, "reason": HOSTILE, "since": since},
+            {"name": "gamma", "reason": "", "since": since},
+            {"name": "delta", "reason": "", "since": None},  # an older control plane's
+        ],
         "more_tenants": 0,
         "keys": [
             key,
@@ -844,8 +848,9 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
         status,
     )
     assert suspended_rows(page) == [
-        [HOSTILE, SUSPENDED_TENANT, DASH, HOSTILE],
-        ["gamma", SUSPENDED_TENANT, DASH, "no reason given"],
+        [HOSTILE, SUSPENDED_TENANT, "2026-11-30T00:53:20Z (5 min ago)", HOSTILE],
+        ["gamma", SUSPENDED_TENANT, "2026-11-30T00:53:20Z (5 min ago)", "no reason given"],
+        ["delta", SUSPENDED_TENANT, DASH, "not known (an older control plane's)"],
         ["beta", "k1", "2026-11-30T00:53:20Z (5 min ago)", HOSTILE],
         [HOSTILE, "k2its tenant is suspended too", "2026-11-30T00:53:20Z (5 min ago)",
          "no reason given"],
@@ -898,8 +903,11 @@ def test_a_tenant_suspended_by_pontoctl_shows_on_the_page(
         set_suspended("on", "--reason", "invoice unpaid")
         wait(
             page,
-            lambda d: suspended_rows(d) == [["acme", SUSPENDED_TENANT, DASH, "invoice unpaid"]],
-            "acme never shown suspended",
+            lambda d: (
+                [(r[0], r[1], r[3], r[2].endswith("ago)")) for r in suspended_rows(d)]
+                == [("acme", SUSPENDED_TENANT, "invoice unpaid", True)]
+            ),
+            "acme never shown suspended since a time",
         )
         set_suspended("off")
         wait(page, lambda d: suspended_rows(d) == [], "acme still shown suspended")

@@ -1537,7 +1537,7 @@ async def test_suspended_tenants_and_keys_show_with_reason_since_and_expiry(
     status = await web.status(1_000.0)
     assert not [prefix for prefix in store.lists if prefix.startswith(STATE_PREFIX)]
     assert status["suspended"] == {
-        "tenants": [{"name": "acme", "reason": "invoice unpaid"}],
+        "tenants": [{"name": "acme", "reason": "invoice unpaid", "since": 500.0}],
         "more_tenants": 0,
         "keys": [  # the most recent first
             {
@@ -1621,6 +1621,6 @@ async def test_the_replicas_page_shows_what_its_builder_read_as_suspended() -> N
     plane = ControlPlane(settings, store)
     assert (await plane.web.status(1_000.0))["suspended"] == NOTHING_SUSPENDED  # no table yet
     await plane.builder.build_once()
-    assert (await plane.web.status(1_000.0))["suspended"]["tenants"] == [
-        {"name": "acme", "reason": ""}
-    ]
+    [acme] = (await plane.web.status(1_000.0))["suspended"]["tenants"]
+    assert (acme["name"], acme["reason"]) == ("acme", "")
+    assert acme["since"] is not None  # the catalog's clock when it was suspended

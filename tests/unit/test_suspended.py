@@ -17,7 +17,7 @@ from controlplane.cli import Shown, UsageError, _parser, _rows_tenants, _tenant_
 from controlplane.compile import compile_table, tenant_pb
 from controlplane.errors import InvalidArgument
 from controlplane.messages import tenant_of
-from controlplane.model import State, Tenant, decode_tenant, encode
+from controlplane.model import Limits, State, Tenant, decode_tenant, encode
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -238,3 +238,45 @@ def test_a_reason_of_spaces_is_none_and_not_called_unsaved() -> None:
     said = pontoctl(stub, "tenant", "set", "acme", "--suspended", "on", "--reason", "   ")
     assert not stub.sent[-1].HasField("suspended_reason")
     assert not isinstance(said, Shown) or not said.not_saved
+
+
+async def test_a_tenant_keeps_since_when_it_is_suspended_on_every_write_path() -> None:
+    """Trial 72: a tenant's suspension kept no time (the page said none, and
+    `get audit` was the only way to learn how long). The catalog stamps it on
+    the write that suspends, keeps it while suspended, clears it on lifting;
+    a file or a caller cannot set it."""
+    now = [100.0]
+    catalog = Catalog(MemoryStore(), clock=lambda: now[0])
+
+    async def since(name: str) -> float:
+        [t] = [t for t in (await catalog.snapshot()).tenants if t.name == name]
+        return t.suspended_at
+
+    await catalog.put_tenant(Tenant("acme", suspended=True, suspended_at=5.0), allow_update=False)
+    assert await since("acme") == 100.0  # put: stamped, the caller's time not taken
+    now[0] = 200.0
+    await catalog.update_tenant("acme", lambda t: replace(t, limits=Limits(rpm=5)))
+    assert await since("acme") == 100.0  # still suspended: kept
+    await catalog.put_tenant(Tenant("acme", suspended=True), allow_update=True)
+    assert await since("acme") == 100.0
+    doc = {"tenants": [{"name": "acme", "suspended": True, "suspended_reason": "unpaid"}]}
+    await catalog.apply(doc, prune=False, dry_run=False)
+    assert await since("acme") == 100.0  # apply: kept, the file says nothing of it
+    await catalog.update_tenant("acme", lambda t: replace(t, suspended=False, suspended_reason=""))
+    assert await since("acme") == 0.0
+    now[0] = 300.0
+    await catalog.apply(
+        {"tenants": [{"name": "acme", "suspended": True}, {"name": "beta", "suspended": True}]},
+        prune=False,
+        dry_run=False,
+    )
+    assert (await since("acme"), await since("beta")) == (300.0, 300.0)
+    # Not the proxies': no table carries it, and it is no new content.
+    state = await catalog.snapshot()
+    table = compile_table(state)
+    assert {t.suspended_at for t in table.tenants} == {0.0}
+    notes = _tenant_notes([tenant_pb(t) for t in state.tenants], served=())
+    assert notes == [
+        "tenant acme suspended since 1970-01-01T00:05:00Z: no reason given",
+        "tenant beta suspended since 1970-01-01T00:05:00Z: no reason given",
+    ]
