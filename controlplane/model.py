@@ -1506,11 +1506,13 @@ def decode_tenant(raw: bytes) -> Tenant:
 def suspension_stamped(new: Tenant, old: Tenant | None, clock: Callable[[], float]) -> Tenant:
     """`new`, to be written over `old` (None: a new record), with the time of
     its suspension as the store keeps it: `old`'s when it was suspended
-    already, `clock()` (read only then) when this write suspends it, none
-    when it serves. What a caller or a file says of the time is not taken."""
+    already (none, not known, for one suspended before the time was kept:
+    not this write's), `clock()` (read only then) when this write suspends
+    it, none when it serves. What a caller or a file says of the time is
+    not taken."""
     if not new.suspended:
         at = 0.0
-    elif old is not None and old.suspended and old.suspended_at:
+    elif old is not None and old.suspended:
         at = old.suspended_at
     else:
         at = clock()

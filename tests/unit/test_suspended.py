@@ -17,7 +17,7 @@ from controlplane.cli import Shown, UsageError, _parser, _rows_tenants, _tenant_
 from controlplane.compile import compile_table, tenant_pb
 from controlplane.errors import InvalidArgument
 from controlplane.messages import tenant_of
-from controlplane.model import Limits, State, Tenant, decode_tenant, encode
+from controlplane.model import Limits, State, Tenant, decode_tenant, encode, suspension_stamped
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -280,3 +280,16 @@ async def test_a_tenant_keeps_since_when_it_is_suspended_on_every_write_path() -
         "tenant acme suspended since 1970-01-01T00:05:00Z: no reason given",
         "tenant beta suspended since 1970-01-01T00:05:00Z: no reason given",
     ]
+
+
+def test_a_suspension_older_than_the_time_stays_of_unknown_time() -> None:
+    """A write to a tenant suspended before the time was kept must not say
+    it was suspended then."""
+    old = Tenant("acme", suspended=True)  # suspended_at 0: not known
+    kept = suspension_stamped(replace(old, limits=Limits(rpm=1)), old, lambda: 500.0)
+    assert kept.suspended_at == 0.0
+    assert (
+        suspension_stamped(Tenant("acme", suspended=True), None, lambda: 500.0).suspended_at
+        == 500.0
+    )
+    assert suspension_stamped(Tenant("acme"), old, lambda: 500.0).suspended_at == 0.0
