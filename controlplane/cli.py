@@ -710,8 +710,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-tokens-field",
         choices=list(TOKEN_FIELDS),
         default=None,
-        help="the field in which the proxies send this origin a tenant's --max-tokens "
-        "ceiling they add to a chat request that names no limit: max_completion_tokens for "
+        help="the field in which the proxies send this origin a max_tokens they add (a "
+        "tenant's --max-tokens ceiling or default) to a chat request that names no limit: "
+        "max_completion_tokens for "
         "OpenAI's reasoning models (o-series, gpt-5), which refuse max_tokens; max_tokens "
         "(the default) for servers that read only it (Ollama). A client's own field is "
         "never renamed",
@@ -1501,8 +1502,9 @@ def _changes_with_reason(detail: Mapping[str, str]) -> str:
     """An entry's `changes`, and the reason its call gave when the changes
     do not say it already (a key resumed `--reason ...`: trial 72 found it in
     `-o json` alone)."""
-    changes, reason = detail.get("changes", ""), detail.get("reason", "")
-    if not reason or json.dumps(reason, ensure_ascii=False) in changes:
+    changes, reason = detail.get("changes", ""), detail.get("reason", "").strip()
+    # Said already as the reason a suspension stored (not one it removed).
+    if not reason or changes.endswith("-> " + json.dumps(reason, ensure_ascii=False)):
         return changes
     return f"{changes} (reason: {_shown(reason)})" if changes else f"reason: {_shown(reason)}"
 
@@ -2444,7 +2446,8 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str | None = None)
     current = next((k for k in before.keys if k.id == key_id), None)
     asked = apb.SetKeySuspendedRequest(id=key_id, suspended=suspended, reason=reason)
     k = stub.SetKeySuspended(asked)
-    lost = ("reason",) if suspended and reason and not k.suspended_reason else ()
+    # Dropped, or (an older control plane) a clear not applied.
+    lost = ("reason",) if suspended and reason is not None and k.suspended_reason != reason else ()
     if current is not None and current.suspended == suspended:
         if suspended and reason is not None and current.suspended_reason != k.suspended_reason:
             now = f"now {_shown(reason)!r}" if reason else "cleared"

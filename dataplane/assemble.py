@@ -107,8 +107,6 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
         _instruct(body, rules)
         changed = True
     chat = endpoint == "chat.completions"
-    # The client named a token limit: no default adds another (trial 72).
-    limited = chat and any(body.get(f) is not None for f in TOKEN_FIELDS)
     added = False  # the body's max_tokens is the proxy's
     for name, value in rules.defaults.items():
         # A field set to null is left out as far as the proxy is concerned
@@ -118,12 +116,26 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
             body.get(name) is None
             and default_applies(endpoint, name)
             and (name not in TOOL_FIELDS or body.get("tools"))
-            and not (limited and name in TOKEN_FIELDS)
+            and not (chat and name in TOKEN_FIELDS)  # below
         ):
             # A copy: a list or object default must not be shared by requests.
             body[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
             changed = True
-            added = added or (chat and name == "max_tokens")
+    # A chat request's token limit by default, under either name, only when
+    # the client named none (beside its max_tokens, a default
+    # max_completion_tokens overrode it on vLLM: trial 72), and one limit,
+    # the smaller: as `max_tokens`, the proxy's, which the forwarder sends in
+    # each origin's field (Ollama reads no other; a default of both names
+    # gave each origin another limit: review 281).
+    if (
+        chat
+        and any(name in TOKEN_FIELDS for name in rules.defaults)
+        and all(body.get(f) is None for f in TOKEN_FIELDS)
+    ):
+        given = [rules.defaults[f] for f in TOKEN_FIELDS if f in rules.defaults]
+        numbers = [v for v in given if type(v) is int]
+        body["max_tokens"] = min(numbers) if numbers else given[0]
+        changed = added = True
     ceiling = rules.max_tokens_ceiling
     if ceiling and endpoint != "embeddings":
         present = False

@@ -275,7 +275,8 @@ def set_key_models(req: apb.SetKeyModelsRequest, _: object) -> Description:
 
 
 def set_key_suspended(req: apb.SetKeySuspendedRequest, _: object) -> Description:
-    return f"key/{req.id}", {"reason": req.reason} if req.reason else {}
+    reason = req.reason.strip()  # as stored
+    return f"key/{req.id}", {"reason": reason} if reason else {}
 
 
 def key_suspension_action(req: apb.SetKeySuspendedRequest) -> str:

@@ -302,7 +302,7 @@ function utc(seconds) {
   return new Date(seconds * 1000).toISOString().replace(/\.\d+Z$/, "Z");
 }
 
-const NO_SINCE = "suspended by a control plane older than reasons: when is not known";
+const NO_SINCE = "suspended by a control plane that kept no time: when is not known";
 
 // When a tenant or key was suspended, and how long ago; "–" when not known.
 function since(at, now) {

@@ -157,8 +157,8 @@ class OriginSpec(_message.Message):
     INVALID_ARGUMENT.
     """
     max_tokens_field: _builtins.str
-    """The field in which the proxies send this origin a tenant's max-tokens
-    ceiling that they add to a chat request naming no limit:
+    """The field in which the proxies send this origin a max_tokens they add (a
+    tenant's ceiling or default) to a chat request naming no limit:
     "max_completion_tokens" for OpenAI's reasoning models (o-series, gpt-5),
     which refuse max_tokens with 400 unsupported_parameter; "max_tokens" (or
     ""): the default, for servers that read only it (Ollama). A field the

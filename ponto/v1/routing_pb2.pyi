@@ -296,9 +296,10 @@ class Origin(_message.Message):
     """
     not_probed: _builtins.bool
     max_tokens_field: _builtins.str
-    """OriginSpec.max_tokens_field: the field a chat request's added max-tokens
-    ceiling is sent to this origin in; "" is max_tokens (so a table without
-    the field, an older control plane's, keeps what proxies always did).
+    """OriginSpec.max_tokens_field: the field a max_tokens the proxy added to a
+    chat request (a tenant's ceiling or default) is sent to this origin in;
+    "" is max_tokens (so a table without the field, an older control
+    plane's, keeps what proxies always did).
     """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...

@@ -857,7 +857,7 @@ def test_suspensions_show_as_text_with_what_else_must_be_undone(page: webdriver.
         ["beta", "k3expired too", DASH, "abuse"],
         ["beta", "k4", DASH, "not known (an older control plane's)"],
     ]  # fmt: skip
-    assert shown == [True, 0, "suspended by a control plane older than reasons: when is not known"]
+    assert shown == [True, 0, "suspended by a control plane that kept no time: when is not known"]
     assert page.execute_script("return window.pwned === undefined")
     # More than the API lists: counted, with where to see them all.
     more = page.execute_script(

@@ -362,3 +362,12 @@ def test_a_region_without_proxies_takes_any_name_apply_takes(helm: Path, tmp_pat
     docs = render(helm, "-f", values_file(tmp_path, values))
     text = one(docs, "ConfigMap", "ponto-topology")["data"]["topology.yaml"]
     assert topology_apply.parse(yaml.safe_load(text)).origins[0].region == name
+
+
+def test_a_reason_of_spaces_is_none_to_the_schema_as_to_apply(helm: Path, tmp_path: Path) -> None:
+    """Review 281: apply takes it (stripped, no reason), the schema refused it."""
+    values = _tenant(suspended=False, suspended_reason="  ")
+    docs = render(helm, "-f", values_file(tmp_path, values))
+    text = one(docs, "ConfigMap", "ponto-topology")["data"]["topology.yaml"]
+    [tenant] = topology_apply.parse(yaml.safe_load(text)).tenants
+    assert (tenant.suspended, tenant.suspended_reason) == (False, "")

@@ -712,6 +712,15 @@ def test_canonical_form_is_sorted_and_compact() -> None:
         b'{"body":{"a":[1.5,{"c":null,"d":0}],"b":1},"endpoint":"chat.completions",'
         b'"model":"m","tenant":"t","v":5}'
     )
+    # With forwarded headers, which go between endpoint and model (review 281:
+    # the document is built in its sorted order, so this pins it).
+    headed = canonical_request(
+        CHAT, {"a": 1}, tenant="t", model="m", headers={"X-B": "2", "x-a": "1"}
+    )
+    assert headed == (
+        b'{"body":{"a":1},"endpoint":"chat.completions","headers":{"x-a":"1","x-b":"2"},'
+        b'"model":"m","tenant":"t","v":5}'
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -450,3 +450,29 @@ def test_get_audit_says_why_a_key_was_resumed() -> None:
         'suspended true -> false; suspended_reason "x" -> removed (reason: ok)',
         'suspended false -> true; suspended_reason unset -> "x"',  # said already
     ]
+
+
+def test_a_clear_an_older_control_plane_did_not_apply_is_not_saved() -> None:
+    """Review 281: one before reasons could be cleared keeps the reason, and
+    pontoctl said nothing changed, exit 0."""
+
+    class Older(Stub):
+        def SetKeySuspended(self, req: apb.SetKeySuspendedRequest) -> apb.ApiKeyInfo:
+            self.sent.append(req)
+            return self.key  # already suspended; an empty reason read as none
+
+    key = apb.ApiKeyInfo(id="abcdefghij", tenant="acme", suspended=True, suspended_reason="x")
+    said = pontoctl(Older(key), "key", "suspend", "abcdefghij", "--reason", "")
+    assert isinstance(said, Shown) and said.not_saved == ("reason",)
+
+
+def test_get_audit_says_a_resumptions_reason_even_when_it_was_the_suspensions() -> None:
+    resumed = apb.AuditEntry(
+        action="ResumeKey",
+        detail={
+            "changes": 'suspended true -> false; suspended_reason "x" -> removed',
+            "reason": "x",
+        },
+    )
+    _, [row] = _rows_audit(apb.ListAuditResponse(entries=[resumed]))
+    assert row[5].endswith("(reason: x)")

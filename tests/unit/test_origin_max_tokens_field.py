@@ -256,6 +256,16 @@ def test_a_tenants_default_max_tokens_is_the_proxys_too() -> None:
     own: dict[str, Any] = {"model": "m", "max_tokens": 50}
     assert assembled("chat.completions", own, other) == Assembly(False)
     assert own == {"model": "m", "max_tokens": 50}
+    # Review 281: a default of either name is one limit, the smaller, as the
+    # proxy's max_tokens (an Ollama origin read none, and two defaults gave
+    # each origin another limit).
+    both: dict[str, Any] = {"model": "m"}
+    assert assembled("chat.completions", both, other) == Assembly(True, max_tokens_added=True)
+    assert both == {"model": "m", "max_tokens": 200}
+    completion = PromptRules(max_tokens_ceiling=1000, defaults={"max_completion_tokens": 300})
+    alone_too: dict[str, Any] = {"model": "m"}
+    assert assembled("chat.completions", alone_too, completion).max_tokens_added
+    assert alone_too == {"model": "m", "max_tokens": 300}
 
 
 def test_a_body_sent_in_another_field_changes_only_that_field() -> None:
