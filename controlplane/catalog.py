@@ -409,6 +409,7 @@ class Catalog:
         for _ in range(CAS_ATTEMPTS):
             current = await _guard(self.store.get(key))
             written = value
+            stored: R | None = None
             if current is None and expected is not None:
                 raise NotFound(f"{kind} {value.name!r} was deleted since it was read")
             if current is not None:
@@ -423,10 +424,8 @@ class Catalog:
                 if isinstance(value, Region | Origin):
                     written = replace(value, drained=stored.drained)
             if isinstance(written, Tenant):
-                old = decode(current.value) if current is not None else None
-                written = suspension_stamped(
-                    written, old if isinstance(old, Tenant) else None, self._clock
-                )
+                old = stored if isinstance(stored, Tenant) else None
+                written = suspension_stamped(written, old, self._clock)
             try:
                 await _guard(
                     self.store.put(
