@@ -81,7 +81,7 @@ from controlplane.model import (
     Tenant,
     check_model_names,
     check_note,
-    is_hidden,
+    escape_hidden,
     rtt_warnings,
 )
 from controlplane.readiness import STORE
@@ -421,17 +421,12 @@ def _table(header: list[str], body: list[list[str]]) -> str:
     """header and body as aligned columns, one line a row: each cell's hidden
     characters (model.is_hidden: a newline, an ANSI escape, a bidi override in
     a stored key description or a health detail) are shown escaped."""
-    rows = [[_shown(cell) for cell in row] for row in [header, *body]]
+    rows = [[escape_hidden(cell) for cell in row] for row in [header, *body]]
     widths = [max(len(c) for c in col) for col in zip(*rows, strict=False)]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
     ]
     return "\n".join(lines)
-
-
-def _shown(text: str) -> str:
-    """text with each hidden character as its Python escape (\\n, \\x1b, \\u202e)."""
-    return "".join(ascii(c)[1:-1] if is_hidden(c) else c for c in text)
 
 
 def parse_rtt(text: str) -> dict[str, float]:
@@ -1388,7 +1383,7 @@ def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list
     suspended = [
         f"tenant {t.name} suspended"
         + (f" since {utc(t.suspended_at)}" if t.suspended_at else "")
-        + f": {_shown(t.suspended_reason) or 'no reason given'}"
+        + f": {escape_hidden(t.suspended_reason) or 'no reason given'}"
         for t in tenants
         # Known of a suspension written by a control plane of reasons.
         if t.suspended and (t.suspended_reason or t.suspended_at)
@@ -1506,7 +1501,8 @@ def _changes_with_reason(detail: Mapping[str, str]) -> str:
     # Said already as the reason a suspension stored (not one it removed).
     if not reason or changes.endswith("-> " + json.dumps(reason, ensure_ascii=False)):
         return changes
-    return f"{changes} (reason: {_shown(reason)})" if changes else f"reason: {_shown(reason)}"
+    said = f"reason: {escape_hidden(reason)}"
+    return f"{changes} ({said})" if changes else said
 
 
 # The longest HEALTHY cell of `get origins`' table.
@@ -1625,7 +1621,7 @@ def _suspension_note(k: apb.ApiKeyInfo) -> str:
     suspended by, or listed by, a control plane older than reasons."""
     if not k.suspended_at:
         return f"key {k.id} suspended: since when and why unknown (an older control plane's)"
-    why = _shown(k.suspended_reason) or "no reason given"
+    why = escape_hidden(k.suspended_reason) or "no reason given"
     return f"key {k.id} suspended since {utc(k.suspended_at)}: {why}"
 
 
@@ -2174,7 +2170,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         if t.suspended:
             saved += " SUSPENDED: its callers are refused (403 tenant_suspended)"
             if t.suspended_reason:
-                saved += f" ({_shown(t.suspended_reason)})"
+                saved += f" ({escape_hidden(t.suspended_reason)})"
         elif update.HasField("suspended") and update.suspended:
             # An older control plane drops the field, as it drops model lists.
             saved += (
@@ -2450,7 +2446,7 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str | None = None)
     lost = ("reason",) if suspended and reason is not None and k.suspended_reason != reason else ()
     if current is not None and current.suspended == suspended:
         if suspended and reason is not None and current.suspended_reason != k.suspended_reason:
-            now = f"now {_shown(reason)!r}" if reason else "cleared"
+            now = f"now {escape_hidden(reason)!r}" if reason else "cleared"
             return Shown(f"key {k.id} of tenant {k.tenant} was suspended: reason {now}")
         if suspended:
             return Shown(
@@ -2458,7 +2454,7 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str | None = None)
             )
         return f"key {k.id} of tenant {k.tenant} was not suspended: nothing changed"
     if suspended:
-        because = f" ({_shown(k.suspended_reason)})" if k.suspended_reason else ""
+        because = f" ({escape_hidden(k.suspended_reason)})" if k.suspended_reason else ""
         return Shown(
             f"key {k.id} of tenant {k.tenant} suspended{because}: proxies refuse its callers "
             f"(403 api_key_suspended) once they take the next table; `pontoctl key resume "

@@ -126,11 +126,16 @@ def check_reason(what: str, text: str) -> str:
     return text
 
 
+def escape_hidden(text: str) -> str:
+    """text with each hidden character (is_hidden) as its Python escape
+    (\\n, \\x1b, \\u202e): what a terminal or a check_note shows as itself. Pure."""
+    return "".join(ascii(c)[1:-1] if is_hidden(c) else c for c in text)
+
+
 def readable_reason(text: str) -> str:
     """A stored reason as check_reason takes it: each hidden character as
     its escape, cut to MAX_REASON. Pure."""
-    shown = "".join(ascii(c)[1:-1] if is_hidden(c) else c for c in text.strip())
-    return shown[:MAX_REASON]
+    return escape_hidden(text.strip())[:MAX_REASON]
 
 
 def check_note(what: str, text: str) -> str:
