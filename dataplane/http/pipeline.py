@@ -67,7 +67,7 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
-from dataplane.http.requestid import accepted_client_id
+from dataplane.http.requestid import origin_request_id
 from dataplane.http.resume import (
     CONTINUABLE,
     Continuations,
@@ -699,11 +699,7 @@ class Pipeline:
                 ex.origin, ex.region = sent.target.name, sent.target.region
             raise
         ex.origin, ex.region = answer.target.name, answer.target.region
-        theirs = answer.headers.get("x-request-id")
-        if theirs is not None and theirs != ex.request_id:
-            # Held to a client's own id's rules: an origin's control character
-            # would fail the client's answer, a lone surrogate its log line.
-            ex.origin_request_id = accepted_client_id(theirs)
+        ex.origin_request_id = origin_request_id(answer.headers, ex.request_id)
         ex.attempts = answer.calls
         ex.hedged = answer.hedged
         if answer.hedged:

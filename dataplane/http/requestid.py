@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 from hashlib import blake2b
 from typing import Final
 
-__all__ = ["MAX_CLIENT_ID", "RequestIds", "accepted_client_id"]
+__all__ = ["MAX_CLIENT_ID", "RequestIds", "accepted_client_id", "origin_request_id"]
 
 MAX_CLIENT_ID: Final = 128
 
@@ -29,6 +30,15 @@ def accepted_client_id(value: str | None) -> str | None:
     if not (value.isascii() and value.isprintable()) or " " in value:
         return None
     return value
+
+
+def origin_request_id(headers: Mapping[str, str], ours: str) -> str | None:
+    """The x-request-id an origin answered with, when it is its own (not
+    `ours`, which it may echo) and would be taken from a client
+    (accepted_client_id): an origin's control character would fail the
+    client's answer, a lone surrogate its access line. None otherwise."""
+    theirs = headers.get("x-request-id")
+    return accepted_client_id(theirs) if theirs != ours else None
 
 
 class RequestIds:

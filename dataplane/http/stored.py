@@ -60,7 +60,7 @@ from dataplane.http.pipeline import (
     sole_authorization,
 )
 from dataplane.http.reply import ORIGIN_REQUEST_ID_HEADER, Rewritten
-from dataplane.http.requestid import accepted_client_id
+from dataplane.http.requestid import origin_request_id
 from dataplane.http.state import DRAINING, ORIGIN_CALL, PRINCIPAL, REQUEST_ID, SERVER_NAME
 from dataplane.streaming.relay import next_sequence_number, relay
 from dataplane.streaming.sse import Event
@@ -225,9 +225,7 @@ async def _call(
         raise
     called.origin, called.region = origin.target.name, origin.target.region
     called.attempts = origin.calls
-    theirs = origin.headers.get("x-request-id")
-    if theirs is not None and theirs != ours:
-        called.origin_request_id = accepted_client_id(theirs)  # as Pipeline.forward's
+    called.origin_request_id = origin_request_id(origin.headers, ours)
     try:
         tag = target.id_tag
         if origin.streamed and origin.status < 300:
