@@ -351,10 +351,10 @@ class Origin:
     # (an Ollama tag, an Azure OpenAI deployment); a model not named here is
     # sent under its public name. Pairs rather than a dict: frozen, hashable.
     model_names: tuple[tuple[str, str], ...] = ()
-    # The field (one of TOKEN_FIELDS) the proxies send it a tenant's
-    # max-tokens ceiling in when they add one to a chat request that named
-    # no limit: OpenAI's reasoning models refuse max_tokens, Ollama reads
-    # only it. A field the client sent is never renamed.
+    # The field (one of TOKEN_FIELDS) the proxies send it a max_tokens in
+    # when they add one (a tenant's ceiling or default) to a chat request
+    # that named no limit: OpenAI's reasoning models refuse max_tokens,
+    # Ollama reads only it. A field the client sent is never renamed.
     max_tokens_field: str = "max_tokens"
 
     @property

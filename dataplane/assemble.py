@@ -77,7 +77,7 @@ UNCHANGED = Assembly(False)
 
 def assemble(endpoint: str, body: dict[str, Any], rules: PromptRules) -> bool:
     """Apply rules to body in place; return True if anything changed
-    (`assembled`, for whether a ceiling was added)."""
+    (`assembled`, for whether the proxy added max_tokens)."""
     return assembled(endpoint, body, rules).changed
 
 

@@ -61,9 +61,9 @@ class Target:
     # Azure deployment): the `model` the forwarder sends it (Forwarder._call).
     # Empty for most origins, which cost nothing more then.
     model_names: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
-    # The field a chat request's max-tokens ceiling, when the proxy added it
-    # as max_tokens, is sent to it in (max_completion_tokens: OpenAI's
-    # reasoning models refuse max_tokens); "": max_tokens, as added.
+    # The field a chat request's max_tokens, when the proxy added it (a
+    # tenant's ceiling or default), is sent to it in (max_completion_tokens:
+    # OpenAI's reasoning models refuse max_tokens); "": max_tokens, as added.
     max_tokens_field: str = field(default="", compare=False)
     # Parsed once per table: building a URL from a string on every call costs
     # the upstream client more than the rest of the request line.
