@@ -37,6 +37,7 @@ from tests.functional.test_pipeline import (
     chat,
     error_of,
     read_sse,
+    stack_on,
     start_stack,
     table,
 )
@@ -665,13 +666,7 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
         await out.write_eof()
         return out
 
-    origin_app = web.Application()
-    origin_app.router.add_post("/v1/chat/completions", hosted)
-    origin = TestServer(origin_app)
-    await origin.start_server()
-    s = await start_stack(tmp_path, [], ["--access-log=on"])
-    s.others.append(origin)
-    s.app[HOLDER].apply(table([("custom", str(origin.make_url("/v1")))], version=3), "cp")
+    s = await stack_on(tmp_path, hosted, args=["--access-log=on"])
     try:
         ok = await s.post(chat("whose id", stream=stream, temperature=0.5))
         await ok.read()

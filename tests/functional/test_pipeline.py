@@ -511,14 +511,17 @@ OriginHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def stack_on(
-    tmp_path: Path, handler: OriginHandler, path: str = "/v1/chat/completions"
+    tmp_path: Path,
+    handler: OriginHandler,
+    path: str = "/v1/chat/completions",
+    args: list[str] | None = None,
 ) -> Stack:
-    """A proxy whose one origin is `handler` at `path`."""
+    """A proxy (with `args`) whose one origin is `handler` at `path`."""
     origin_app = web.Application()
     origin_app.router.add_post(path, handler)
     origin = TestServer(origin_app)
     await origin.start_server()
-    s = await start_stack(tmp_path, [])
+    s = await start_stack(tmp_path, [], args)
     s.others.append(origin)
     s.app[HOLDER].apply(
         table([("custom", str(origin.make_url("/v1")))], version=3), "control-plane"
