@@ -1381,9 +1381,7 @@ def _tenant_notes(tenants: Sequence[pb.Tenant], served: Collection[str]) -> list
     )
     aliased = [line for t in tenants for line in _alias_settings(t)]
     suspended = [
-        f"tenant {t.name} suspended"
-        + (f" since {utc(t.suspended_at)}" if t.suspended_at else "")
-        + f": {escape_hidden(t.suspended_reason) or 'no reason given'}"
+        _suspension_line(f"tenant {t.name}", t.suspended_at, t.suspended_reason)
         for t in tenants
         # Known of a suspension written by a control plane of reasons.
         if t.suspended and (t.suspended_reason or t.suspended_at)
@@ -1621,8 +1619,14 @@ def _suspension_note(k: apb.ApiKeyInfo) -> str:
     suspended by, or listed by, a control plane older than reasons."""
     if not k.suspended_at:
         return f"key {k.id} suspended: since when and why unknown (an older control plane's)"
-    why = escape_hidden(k.suspended_reason) or "no reason given"
-    return f"key {k.id} suspended since {utc(k.suspended_at)}: {why}"
+    return _suspension_line(f"key {k.id}", k.suspended_at, k.suspended_reason)
+
+
+def _suspension_line(what: str, at: float, reason: str) -> str:
+    """A suspension's line under a table, a tenant's or a key's: since when
+    (`at`, when known) and why (hidden characters escaped, as in cells)."""
+    since = f" since {utc(at)}" if at else ""
+    return f"{what} suspended{since}: {escape_hidden(reason) or 'no reason given'}"
 
 
 def _keys_text(keys: Sequence[pb.ApiKey]) -> str:
