@@ -85,7 +85,7 @@ from controlplane.model import (
     rtt_warnings,
 )
 from controlplane.readiness import STORE
-from dataplane.assemble import TOKEN_FIELDS
+from dataplane.assemble import TOKEN_FIELDS, table_token_field
 from ponto import grpcconn as conn
 from ponto import linkadvice
 from ponto.apikeys import key_expired
@@ -1943,9 +1943,7 @@ def _origin_spec(args: argparse.Namespace, current: pb.Origin | None) -> apb.Ori
     if args.max_tokens_field is not None:
         # The default as "": the form the control plane answers it in, so
         # that _not_saved can tell it from a field an older one dropped.
-        spec.max_tokens_field = (
-            "" if args.max_tokens_field == "max_tokens" else args.max_tokens_field
-        )
+        spec.max_tokens_field = table_token_field(args.max_tokens_field)
     return spec
 
 

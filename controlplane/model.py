@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from controlplane.errors import InvalidArgument
-from dataplane.assemble import RESPONSES_TOKEN_FIELDS, TOKEN_FIELDS
+from dataplane.assemble import RESPONSES_TOKEN_FIELDS, TOKEN_FIELDS, table_token_field
 from dataplane.http.fields import check_default
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
@@ -361,7 +361,7 @@ class Origin:
     def table_token_field(self) -> str:
         """max_tokens_field as route tables and the admin API carry it: ""
         for the default, which a table without the field means too."""
-        return "" if self.max_tokens_field == "max_tokens" else self.max_tokens_field
+        return table_token_field(self.max_tokens_field)
 
     def validated(self) -> Origin:
         check_name("origin", self.name)

@@ -45,6 +45,13 @@ TOOL_FIELDS = frozenset({"tool_choice", "parallel_tool_calls"})
 RESPONSES_TOKEN_FIELDS = ("max_output_tokens",)
 
 
+def table_token_field(name: str) -> str:
+    """An origin's max_tokens_field (one of TOKEN_FIELDS) as route tables and
+    the Admin API carry it: "" for the default, max_tokens, which a table or
+    an answer without the field means too. Pure."""
+    return "" if name == "max_tokens" else name
+
+
 @dataclass(frozen=True, slots=True)
 class PromptRules:
     system_prompt: str = ""

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
-from dataplane.assemble import TOKEN_FIELDS
+from dataplane.assemble import TOKEN_FIELDS, table_token_field
 from dataplane.upstream.credentials import CredentialError, OriginCredentials
 from dataplane.upstream.responseids import MIN_KEY_BYTES, IdKeys, origin_tag
 from ponto.routetable import content_etag
@@ -437,7 +437,7 @@ def _add_target(
         credential=_credential(o),
         tag=origin_tag(o.name),
         model_names=dict(o.model_names),
-        max_tokens_field="" if o.max_tokens_field == "max_tokens" else o.max_tokens_field,
+        max_tokens_field=table_token_field(o.max_tokens_field),
     )
     for model in models:
         by_model.setdefault(model, {}).setdefault(o.region, []).append(target)
