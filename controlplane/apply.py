@@ -80,6 +80,7 @@ from controlplane.model import (
     Tenant,
     access_warnings,
     check_prompt_controls,
+    redact_url,
     rtt_warnings,
     unserved_aliases,
     unserved_settings,
@@ -733,6 +734,15 @@ def tenant_changes(old: Tenant, new: Tenant) -> str:
     """What an update changed of a tenant, as change_text writes it ("" for
     nothing): what the audit trail says of UpdateTenant, as of an Apply."""
     return change_text((f.path, f.before, f.after) for f in _compare("tenant", old, new).changes)
+
+
+def origin_changes(old: Origin, new: Origin) -> str:
+    """What a replacement changed of an origin, as tenant_changes says it of
+    a tenant ("" for nothing): what the audit trail says of PutOrigin. A URL
+    is shown redacted (redact_url: one stored before userinfo was refused
+    may hold a password)."""
+    old, new = (replace(o, base_url=redact_url(o.base_url)) for o in (old, new))
+    return change_text((f.path, f.before, f.after) for f in _compare("origin", old, new).changes)
 
 
 def limit_changes(old: Limits, new: Limits) -> str:

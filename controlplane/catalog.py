@@ -270,9 +270,10 @@ class Catalog:
         only a region whose settings (all but the drain flag) are still those
         (ChangedSinceRead), as put_origin."""
         region = region.validated()
-        return await self._put(
+        saved, _ = await self._put(
             "region", REGIONS, region, decode_region, allow_update, expected, _region_settings
         )
+        return saved
 
     async def get_region(self, name: str) -> Region:
         kv = await _guard(self.store.get(REGIONS + check_name("region", name)))
@@ -349,10 +350,20 @@ class Catalog:
     async def put_origin(
         self, origin: Origin, *, allow_update: bool, expected: Origin | None = None
     ) -> Origin:
+        """As save_origin, the origin as saved alone."""
+        saved, _ = await self.save_origin(origin, allow_update=allow_update, expected=expected)
+        return saved
+
+    async def save_origin(
+        self, origin: Origin, *, allow_update: bool, expected: Origin | None = None
+    ) -> tuple[Origin, Origin | None]:
         """Create origin, or replace it when allow_update; with `expected`,
         only an origin whose settings (all but the drain flag) are still
         those: a change made after the caller read them is not undone
-        (FailedPrecondition; note 28: `origin add --update` read, then wrote)."""
+        (FailedPrecondition; note 28: `origin add --update` read, then wrote).
+        The origin as saved, and the one it replaced (None: created), as
+        set_key_suspended says what it replaced: PutOrigin's audit entry
+        says what changed."""
         origin = origin.validated()
         if await _guard(self.store.get(REGIONS + origin.region)) is None:
             raise NotFound(
@@ -396,14 +407,15 @@ class Catalog:
         allow_update: bool,
         expected: R | None = None,
         settings: Callable[[R], object] = lambda value: value,
-    ) -> R:
+    ) -> tuple[R, R | None]:
         """Create value, or replace it when allow_update; an update keeps the
         drain flag, because draining is its own operation. A replacement
         whose record moved meanwhile reads it again (create_key rewrites its
         tenant's record unchanged: nothing to refuse the replacement for).
         With `expected` (the record as its caller read it), only a stored
         record whose `settings` are still expected's is replaced
-        (ChangedSinceRead otherwise), and one not stored is NotFound."""
+        (ChangedSinceRead otherwise), and one not stored is NotFound. The
+        value written, and the stored one it replaced (None: none was)."""
         was = settings(expected) if expected is not None else None
         key = prefix + value.name
         for _ in range(CAS_ATTEMPTS):
@@ -438,7 +450,7 @@ class Catalog:
                 if not allow_update:
                     raise AlreadyExists(f"{kind} {value.name!r} was changed concurrently") from exc
                 continue
-            return written
+            return written, stored
         raise Unavailable(f"{kind} {value.name!r} kept changing; try again")
 
     async def _update(
@@ -488,7 +500,8 @@ class Catalog:
     async def put_tenant(self, tenant: Tenant, *, allow_update: bool) -> Tenant:
         tenant = tenant.validated()
         await self._check_issuer_unique(tenant)
-        return await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
+        saved, _ = await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
+        return saved
 
     async def update_tenant(self, name: str, change: Callable[[Tenant], Tenant]) -> Tenant:
         # The issuer is checked before anything is stored: a duplicate issuer

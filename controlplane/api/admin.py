@@ -18,7 +18,7 @@ import orjson
 from controlplane.api import auditing
 from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
-from controlplane.apply import limit_changes, model_changes, tenant_changes
+from controlplane.apply import limit_changes, model_changes, origin_changes, tenant_changes
 from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
@@ -328,9 +328,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             raise InvalidArgument("origin is required")
         origin = origin_of(request.origin)
         expected = origin_of(request.expected) if request.HasField("expected") else None
-        saved = await self._catalog.put_origin(
+        saved, before = await self._catalog.save_origin(
             origin, allow_update=request.allow_update, expected=expected
         )
+        if before is not None:  # replaced: the trail says what the values were
+            auditing.note(changes=origin_changes(before, saved) or "nothing")
         warnings = url_warnings(saved)
         warn(context, warnings)
         return origin_pb(saved)

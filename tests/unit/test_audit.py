@@ -22,11 +22,11 @@ from controlplane.api.auditing import actor_of
 from controlplane.api.guard import TokenGuard
 from controlplane.app import ControlPlane
 from controlplane.audit import PREFIX, AuditLog
-from controlplane.catalog import TENANTS, Catalog
+from controlplane.catalog import ORIGINS, TENANTS, Catalog
 from controlplane.cli import AUDIT_CHANGES_CHARS, _rows_audit
 from controlplane.cli import main as pontoctl
 from controlplane.distribute import Publisher
-from controlplane.model import Limits, PromptPolicy, Tenant, encode
+from controlplane.model import Limits, Origin, PromptPolicy, Tenant, encode
 from controlplane.settings import parse
 from controlplane.store import StateStore
 from controlplane.store.memory import MemoryStore
@@ -449,6 +449,45 @@ async def test_an_updates_changes_leave_out_what_validation_alone_rewrites(
         await stub.UpdateTenant(apb.UpdateTenantRequest(name="acme", limits=pb.Limits(rpm=6)))
         [entry] = (await stub.ListAudit(apb.ListAuditRequest(action="UpdateTenant"))).entries
     assert entry.detail["changes"] == "limits.rpm 5 -> 6"
+
+
+async def test_an_origin_put_over_another_records_what_it_replaced(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """As an UpdateTenant's entry does (`field old -> new`): a PutOrigin that
+    replaced an origin said only the values sent, not which of them changed.
+    A created origin has no changes; the drain flag, which a put keeps, is
+    none; a URL stored with a password before one was refused is redacted;
+    with every field of the spec set, the changes are still kept."""
+    clock.step = 0.001
+    old = Origin(
+        "gpu-1", "http://ops:hunter2@gpu1:8000/v1", "eu", ("llama", "qwen"), weight=100,
+        capacity=8, credential_env="GPU_KEY", continuation=False, probe_path="/health",
+        model_names=(("qwen", "qwen2.5"),), drained=True,
+    )  # fmt: skip
+    await store.put(ORIGINS + "gpu-1", encode(old))
+    full = apb.OriginSpec(
+        name="gpu-1", base_url="http://gpu1:8000/v1", region="eu", models=["llama", "qwen"],
+        weight=50, capacity=8, credential_env="GPU_KEY", credential_file="", continuation="off",
+        probe_path="/health", probe="on", model_names={"qwen": "qwen2.5"},
+        max_tokens_field="max_completion_tokens",
+    )  # fmt: skip
+    async with admin_server(store, clock) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
+        await stub.PutOrigin(apb.PutOriginRequest(origin=full, allow_update=True))
+        await stub.PutOrigin(apb.PutOriginRequest(origin=full, allow_update=True))
+        new = apb.OriginSpec(name="gpu-2", base_url="http://gpu2:8000/v1", region="eu")
+        new.models.append("llama")
+        await stub.PutOrigin(apb.PutOriginRequest(origin=new))
+        entries = (await stub.ListAudit(apb.ListAuditRequest(action="PutOrigin"))).entries
+    replaced, again, created = [dict(e.detail) for e in reversed(entries)]
+    assert replaced["changes"] == (
+        'url "http://***@gpu1:8000/v1" -> "http://gpu1:8000/v1"; weight 100 -> 50; '
+        'max_tokens_field unset -> "max_completion_tokens"'
+    )
+    assert replaced["max_tokens_field"] == "max_completion_tokens"  # every field kept too
+    assert again["changes"] == "nothing"
+    assert "changes" not in created
 
 
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
