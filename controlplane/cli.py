@@ -2116,7 +2116,12 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         # Trial 69: `--update --probe off` against a control plane older
         # than probe settings said "unchanged" and exited 0.
         lost = _not_saved(asked_origin, _as_spec(o), _as_spec(pb.Origin()))
-        saved = f"origin {o.name} in {o.region} saved ({', '.join(o.models)}; weight {o.weight})"
+        parts = [", ".join(o.models), f"weight {o.weight}"]
+        # As `get origins` shows it: only when not the default (an origin
+        # added with --max-tokens-field said nothing of it).
+        if o.max_tokens_field:
+            parts.append(f"max tokens as {o.max_tokens_field}")
+        saved = f"origin {o.name} in {o.region} saved ({'; '.join(parts)})"
         if read is None:
             return Shown(saved, lost)
         changed = _origin_changes(read, o)

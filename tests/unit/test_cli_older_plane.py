@@ -104,6 +104,7 @@ class OlderPlane:
             probe_path=s.probe_path,
             not_probed=s.probe == "off",
             model_names=s.model_names,
+            max_tokens_field=s.max_tokens_field,
             healthy=True,
         )
         self.origins[s.name] = known(origin, self.dropped)

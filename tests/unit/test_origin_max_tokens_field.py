@@ -179,6 +179,21 @@ def test_get_origins_shows_it_only_when_an_origin_sets_it() -> None:
     ]
 
 
+def test_origin_add_says_the_field_it_saved_unless_the_default() -> None:
+    plane = OlderPlane(frozenset())
+    plane.regions["eu"] = pb.Region(name="eu")
+    added = pontoctl(
+        plane, "origin", "add", "o", "--url", "http://h:8000/v1", "--region", "eu",
+        "--models", "m", "--max-tokens-field", "max_completion_tokens",
+    )  # fmt: skip
+    assert added == "origin o in eu saved (m; weight 100; max tokens as max_completion_tokens)"
+    again = pontoctl(plane, "origin", "add", "o", "--update", "--max-tokens-field", "max_tokens")
+    assert again == (
+        "origin o in eu saved (m; weight 100); "
+        "changed: max_tokens_field max_completion_tokens -> max_tokens"
+    )
+
+
 def test_origin_add_against_an_older_control_plane_is_not_saved() -> None:
     plane = OlderPlane(BEFORE_371271B | {"Origin.max_tokens_field"})
     plane.regions["eu"] = pb.Region(name="eu")
