@@ -121,14 +121,16 @@ class AccessRecord:
 class OriginCall:
     """The origin call of a request without an Exchange (a stored response's
     route, dataplane.http.stored), as its access line reports it: what an
-    Exchange's `origin`, `region`, `origin_request_id` and `attempts` say of
-    a proxied request. Its handler notes it in request[ORIGIN_CALL] (state)
-    as the call ends; the error boundary reads it once the handler returns."""
+    Exchange's `origin`, `region`, `origin_request_id`, `attempts` and
+    `origin_error` say of a proxied request. Its handler notes it in
+    request[ORIGIN_CALL] (state) as the call ends; the error boundary reads
+    it once the handler returns."""
 
     origin: str = ""  # the origin that answered ("" for none), and its region
     region: str = ""
     origin_request_id: str | None = None
     attempts: int = 0  # calls made, failed ones included
+    origin_error: str = ""
 
 
 def rfc3339(t: float) -> str:

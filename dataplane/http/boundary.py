@@ -360,8 +360,13 @@ def _record(
     m = app[METRICS]
     if not error and ex is not None:
         error = ex.stream_error
+    logged = error
     if not error and status >= 400:
-        error = str(status)  # an origin's own error answer
+        # An origin's own error answer: the metrics' error type is its status
+        # (an origin's codes are its own to choose, and would make label
+        # values without bound), the access line its code when it gave one.
+        error = str(status)
+        logged = _origin_error(request, ex) or error
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
@@ -385,7 +390,7 @@ def _record(
             excused=excused_here(ex, status, error),
         )
     access = app.get(ACCESS_LOG)
-    if access is not None and access.sampled(error, endpoint):
+    if access is not None and access.sampled(logged, endpoint):
         _access_line(
             access,
             request,
@@ -394,11 +399,20 @@ def _record(
             principal,
             ex,
             status,
-            error,
+            logged,
             started,
             finished,
             unparsed=unparsed,
         )
+
+
+def _origin_error(request: web.BaseRequest, ex: Exchange | None) -> str:
+    """The code an origin's own error answer gave ("" for none): noted on the
+    Exchange, or for a request without one in its ORIGIN_CALL."""
+    if ex is not None:
+        return ex.origin_error
+    call = request.get(ORIGIN_CALL)
+    return call.origin_error if call is not None else ""
 
 
 def _caller(request: web.BaseRequest, ex: Exchange | None) -> Principal | None:

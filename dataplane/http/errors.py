@@ -9,7 +9,7 @@ code, a fixed message and its request id; which origin failed, its URL and
 the exception text go to the log only (dataplane.upstream.forwarder logs
 them at WARNING with the request id). An origin's own 4xx answer is passed
 on only when it is an OpenAI-style JSON error about the client's request,
-rebuilt from its four fields (`origin_error_body`); anything else (a text or
+rebuilt from its four fields (`origin_error`); anything else (a text or
 HTML page, a stack trace, a word on the operator's account) becomes a fixed
 error of the same status, and a refusal of the proxy's own credential or
 account (401, 403, 407, 402) a 502.
@@ -17,8 +17,9 @@ account (401, 403, 407, 402) a 502.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Final
+import re
+from collections.abc import Callable, Mapping
+from typing import Final, NamedTuple
 
 from aiohttp import web
 
@@ -266,6 +267,14 @@ MAX_ORIGIN_MESSAGE = 1024
 # Its type, param and code are names (a param a path in the body): past this,
 # one is dropped (the type becomes invalid_request_error).
 MAX_ORIGIN_NAME = 256
+# An origin's error body past this is not parsed (it becomes the fixed error):
+# a message of MAX_ORIGIN_MESSAGE characters and three names make a few KB;
+# a larger body would be parsed on the event loop for nothing passed on.
+MAX_ORIGIN_ERROR_BYTES = 64 * 1024
+# What the access log's `error` takes of an origin's own error code (or type):
+# a name, in characters a log search or a shell reads as they are. Anything
+# else (longer, a space, a quote, not ASCII) leaves the answer's status there.
+LOGGED_ORIGIN_CODE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def upstream_unavailable(message: str = UPSTREAM_UNAVAILABLE) -> ApiError:
@@ -530,13 +539,23 @@ _STREAM_BROKEN = _chat_error_event(_BROKEN)
 _STREAM_STOPPED = _chat_error_event(_STOPPING)
 
 
-def origin_error_body(
+class OriginError(NamedTuple):
+    """An origin's error answer (status 400 and up) as the proxy relays it."""
+
+    body: bytes  # what the client gets: see origin_error
+    # What the access log's `error` says of it: the origin's own error code,
+    # or its type without one, when a name (LOGGED_ORIGIN_CODE); "" otherwise
+    # (the log then says the status).
+    code: str
+
+
+def origin_error(
     status: int,
     content_type: str,
     body: bytes,
     reindex: Callable[[str], str] | None = None,
-) -> bytes:
-    """What a client gets of an origin's error answer (status 400 and up).
+) -> OriginError:
+    """What a client gets of an origin's error answer, and what the log does.
 
     With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
     (`{"error": {"message": ...}}`, vLLM's flat `{"object": "error",
@@ -546,9 +565,15 @@ def origin_error_body(
     members are dropped. Anything else becomes a
     fixed error of the same status. (A 5xx or 429 never gets here: the
     forwarder tries the next origin.) `reindex` rewrites
-    the passed message and param (the client's own message indexes). Pure.
+    the passed message and param (the client's own message indexes). The
+    body is parsed once, for both, and only when JSON of at most
+    MAX_ORIGIN_ERROR_BYTES: the log's code is read of any status (its
+    message is not passed on, a code is a name). Pure.
     """
-    err = _origin_error(content_type, body) if status in PASSED_ORIGIN_STATUSES else None
+    fields = _origin_error_fields(content_type, body)
+    err = None
+    if fields is not None and status in PASSED_ORIGIN_STATUSES:
+        err = _rebuilt(fields)
     if err is not None and reindex is not None:
         err = {k: reindex(v) if k in ("message", "param") and v else v for k, v in err.items()}
     if err is None:
@@ -558,11 +583,11 @@ def origin_error_body(
             "param": None,
             "code": "upstream_error",
         }
-    return jsonio.dumps({"error": err})
+    return OriginError(jsonio.dumps({"error": err}), _logged_code(fields))
 
 
-def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | None:
-    if content_type != "application/json":
+def _origin_error_fields(content_type: str, body: bytes) -> Mapping[str, object] | None:
+    if content_type != "application/json" or len(body) > MAX_ORIGIN_ERROR_BYTES:
         return None
     try:
         obj = jsonio.loads(body)
@@ -570,26 +595,48 @@ def _origin_error(content_type: str, body: bytes) -> dict[str, str | None] | Non
         return None
     if not isinstance(obj, dict):
         return None
-    return origin_error_of(obj)
+    return _error_fields(obj)
+
+
+def _logged_code(fields: Mapping[str, object] | None) -> str:
+    if fields is None:
+        return ""
+    for name in ("code", "type"):
+        value = fields.get(name)
+        # (vLLM's code is the status, a number: its type, BadRequestError, says more.)
+        if isinstance(value, str) and LOGGED_ORIGIN_CODE.fullmatch(value):
+            return value
+    return ""
 
 
 def origin_error_of(
     obj: dict[str, object], default_type: str = "invalid_request_error"
 ) -> dict[str, str | None] | None:
     """The error an origin's parsed JSON object holds, rebuilt as
-    origin_error_body does (the type `default_type` when it gives none);
+    origin_error does (the type `default_type` when it gives none);
     None when it holds none that may be passed on. Pure."""
+    fields = _error_fields(obj)
+    return None if fields is None else _rebuilt(fields, default_type)
+
+
+def _error_fields(obj: dict[str, object]) -> Mapping[str, object] | None:
+    """The members of the error an origin's JSON object holds, in any of
+    the shapes origin_error reads; None when it holds none."""
     inner = obj.get("error")
     if isinstance(inner, dict):
-        err = inner
-    elif obj.get("object") == "error":
-        err = obj
-    elif isinstance(inner, str):
+        return inner
+    if obj.get("object") == "error":
+        return obj
+    if isinstance(inner, str):
         # TGI's shape: `{"error": "Input validation error: ...", "error_type":
         # "validation"}` (trial 51: replaced by the fixed message).
-        err = {"message": inner, "type": obj.get("error_type")}
-    else:
-        return None
+        return {"message": inner, "type": obj.get("error_type")}
+    return None
+
+
+def _rebuilt(
+    err: Mapping[str, object], default_type: str = "invalid_request_error"
+) -> dict[str, str | None] | None:
     message = err.get("message")
     if not isinstance(message, str) or not message or len(message) > MAX_ORIGIN_MESSAGE:
         return None

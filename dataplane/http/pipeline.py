@@ -212,8 +212,11 @@ class Exchange:
     region: str = ""
     # The x-request-id the answering origin gave it, when not ours (a hosted
     # API's own, which its support asks for): reply.ORIGIN_REQUEST_ID_HEADER to the client
-    # (but on an error answer, which names no origin) and the access log.
+    # (its error answers too) and the access log.
     origin_request_id: str | None = None
+    # The code the origin's own error answer gave (errors.OriginError.code),
+    # the access log's `error` for it ("" for none: the log says the status).
+    origin_error: str = ""
     # Origin calls made (OriginAnswer.calls): failed ones, hedges (won or
     # lost) and continuation calls (failed ones too) included.
     attempts: int = 0

@@ -6,10 +6,16 @@ dropped, see dataplane.upstream.forwarder), then Ponto's (`x-request-id`,
 request's scopes.
 
 An origin's error answer (400 and up) keeps none of the origin's headers and
-only an allowlisted body (dataplane.http.errors.origin_error_body), and, like
-every error, names no origin or region: those stay in the logs, under the
-request id the client can quote. A success names them (`x-ponto-origin`,
-`x-ponto-region`), for tracing which replica answered.
+only an allowlisted body (dataplane.http.errors.origin_error). Every answer an
+origin gave, error or success, names it and its region (`x-ponto-origin`,
+`x-ponto-region`), for tracing which replica answered, and carries the
+origin's own request id (ORIGIN_REQUEST_ID_HEADER) when it gave one: a
+hosted API's support asks for that id most when it refused a request, and
+the origin's name says whether it was the origin that refused or the proxy.
+They are the operator's names, which any client's successful answer shows
+already; the allowlist is of what an origin says (its headers, its body).
+Errors the proxy makes itself (no origin reached, every one failed, a limit,
+a broken stream) name none: no origin's answer is in them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataplane.cache.coalesce import FlightFailed, Follower, Leader
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
 from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
-    origin_error_body,
+    origin_error,
     responses_broken_event,
     responses_stopped_event,
     stream_broken_event,
@@ -72,12 +78,11 @@ def _origin_headers(
     ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
 ) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
-    if not error:  # an error answer names no origin: that stays in the logs
-        target = origin.target
-        headers["x-ponto-origin"] = target.name
-        headers["x-ponto-region"] = target.region
-        if ex.origin_request_id is not None:
-            headers[ORIGIN_REQUEST_ID_HEADER] = ex.origin_request_id
+    target = origin.target
+    headers["x-ponto-origin"] = target.name
+    headers["x-ponto-region"] = target.region
+    if ex.origin_request_id is not None:
+        headers[ORIGIN_REQUEST_ID_HEADER] = ex.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)
     if origin.hedged:
         headers["x-ponto-hedged"] = "1"
@@ -91,20 +96,21 @@ def _origin_headers(
 
 def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -> web.Response:
     """The origin's whole `body` as it sent it; an error one (status 400 and
-    up) allowlisted."""
+    up) allowlisted, its code noted for the access log (`ex.origin_error`)."""
     if origin.status < 400:
         return web.Response(
             status=origin.status, body=body, headers=_origin_headers(ex, origin, outcome)
         )
-    content_type = media_type(origin.headers)
+    shown = origin_error(
+        origin.status,
+        media_type(origin.headers),
+        body,
+        None if ex.sent is None else partial(client_indexes, sent=ex.sent, assembled=ex.body),
+    )
+    ex.origin_error = shown.code
     return web.Response(
         status=origin.status,
-        body=origin_error_body(
-            origin.status,
-            content_type,
-            body,
-            None if ex.sent is None else partial(client_indexes, sent=ex.sent, assembled=ex.body),
-        ),
+        body=shown.body,
         content_type="application/json",
         headers=_origin_headers(ex, origin, outcome, error=True),
     )

@@ -18,17 +18,17 @@ no requests now (drained, unhealthy, removed) is a 404 too, as its responses
 are gone for the client. The call has
 the origin's credential and the proxy's timeouts, and its answer is relayed as
 any origin's: a 2xx with the response's ids shown as the client knows them, an
-error through the allowlist (dataplane.http.errors.origin_error_body), a 5xx
+error through the allowlist (dataplane.http.errors.origin_error), a 5xx
 or no answer as the fixed 502 (no other origin is tried).
 
 No Exchange: these calls are no inference (no GenAI metrics, no cache, no
 placement); the error boundary counts and logs them under their route's name,
 for the caller noted in PRINCIPAL, with the origin call noted in ORIGIN_CALL
-(the access line's origin, region, origin_request_id and attempts, as a
-proxied request's). An answer names its origin as a proxied one does
-(`x-ponto-origin`, `x-ponto-region`, and `x-ponto-origin-request-id` for the
-origin's own request id; none on an error), and its `x-request-id` is the
-proxy's.
+(the access line's origin, region, origin_request_id, attempts and an
+error answer's code, as a proxied request's). An answer the origin gave,
+error or not, names it as a proxied one does (`x-ponto-origin`,
+`x-ponto-region`, and `x-ponto-origin-request-id` for the origin's own
+request id), and its `x-request-id` is the proxy's.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataplane.http.errors import (
     Unauthorized,
     invalid_response_id,
     no_route_table,
-    origin_error_body,
+    origin_error,
     response_not_found,
     responses_broken_event,
 )
@@ -214,7 +214,8 @@ async def _call(
             sent=made,
         )
     except ApiError as exc:
-        # As a proxied request's (Pipeline.forward): an error names no origin.
+        # As a proxied request's (Pipeline.forward): an error of the proxy's own
+        # (no origin answered) names no origin.
         called.attempts = exc.attempts
         exc.headers.update(limits)
         raise
@@ -237,9 +238,10 @@ async def _call(
         body = origin.body if origin.body is not None else origin.first
         out_headers = _headers(origin, called, limits, error=origin.status >= 400)
         if origin.status >= 400:
-            body = origin_error_body(origin.status, media_type(origin.headers), body)
+            shown = origin_error(origin.status, media_type(origin.headers), body)
+            called.origin_error = shown.code
             # The origin's message names its own id: the client's is shown.
-            body = rewrite_words(body, {decoded.original: sent})
+            body = rewrite_words(shown.body, {decoded.original: sent})
             return web.Response(
                 status=origin.status,
                 body=body,
@@ -268,16 +270,15 @@ def _headers(
     origin: OriginAnswer, called: OriginCall, limits: list[tuple[str, str]], *, error: bool
 ) -> CIMultiDict[str]:
     """As reply's for a proxied answer: the origin's (none on an error) but
-    its x-request-id, then where it came from and the origin's own request id
-    (not on an error), the attempts and the caller's limits. The answer's
-    x-request-id is the proxy's: the boundary's, or _relay's."""
+    its x-request-id, then where it came from and the origin's own request
+    id, the attempts and the caller's limits. The answer's x-request-id is
+    the proxy's: the boundary's, or _relay's."""
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
-    if not error:
-        headers.popall("x-request-id", None)
-        headers["x-ponto-origin"] = origin.target.name
-        headers["x-ponto-region"] = origin.target.region
-        if called.origin_request_id is not None:
-            headers[ORIGIN_REQUEST_ID_HEADER] = called.origin_request_id
+    headers.popall("x-request-id", None)
+    headers["x-ponto-origin"] = origin.target.name
+    headers["x-ponto-region"] = origin.target.region
+    if called.origin_request_id is not None:
+        headers[ORIGIN_REQUEST_ID_HEADER] = called.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)
     for name, value in limits:
         headers[name] = value

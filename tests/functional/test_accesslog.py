@@ -636,6 +636,18 @@ async def test_a_jwt_its_tenants_config_cannot_check_is_refused_as_that_tenants(
     assert counted == 2.0
 
 
+# OpenAI's answer to a reasoning model sent max_tokens (trial 71).
+UNSUPPORTED = {
+    "error": {
+        "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+        "Use 'max_completion_tokens' instead.",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "unsupported_parameter",
+    }
+}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], stream: bool
@@ -643,19 +655,18 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
     """Trial 71: a hosted API's `x-request-id` (`req_...`, what its support
     asks for) was replaced by the proxy's and written nowhere. Now the client
     gets it as x-ponto-origin-request-id and the access line as
-    origin_request_id; an error answer, which names no origin, only the log;
-    an origin that echoes the proxy's id adds nothing."""
+    origin_request_id; an origin that echoes the proxy's id adds nothing.
+    Its error answer has it too (its support asks for it most when it
+    refused a request: it had none), names the origin that refused it, and
+    its access line's error is the origin's code, where it was the status;
+    the GenAI metrics' error type stays the status."""
     # The last as no client's id is taken: with a space.
     answers = iter(["req_hosted_1", "req_hosted_2", None, "two words"])
 
     async def hosted(request: web.Request) -> web.StreamResponse:
         theirs = next(answers) or request.headers["x-request-id"]  # the last one echoes ours
         if json.loads(await request.read())["messages"][0]["content"] == "refuse me":
-            return web.json_response(
-                {"error": {"message": "no", "type": "invalid_request_error", "code": None}},
-                status=400,
-                headers={"x-request-id": theirs},
-            )
+            return web.json_response(UNSUPPORTED, status=400, headers={"x-request-id": theirs})
         if not stream:
             return web.json_response(COMPLETION, headers={"x-request-id": theirs})
         out = web.StreamResponse(
@@ -673,16 +684,35 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
         assert ok.headers["x-ponto-origin-request-id"] == "req_hosted_1"
         assert ok.headers["x-request-id"] != "req_hosted_1"  # the proxy's, as ever
         refused = await s.post(chat("refuse me", stream=stream, temperature=0.5))
-        await refused.read()
-        assert refused.status == 400 and "x-ponto-origin-request-id" not in refused.headers
+        assert error_of(await refused.json()) == UNSUPPORTED["error"]
+        assert refused.status == 400
+        assert refused.headers["x-ponto-origin-request-id"] == "req_hosted_2"
+        assert refused.headers["x-ponto-origin"] == "custom"
+        assert refused.headers["x-ponto-region"] == "r1"
+        assert refused.headers["x-request-id"] != "req_hosted_2"
         echoed = await s.post(chat("echo", stream=stream, temperature=0.5))
         await echoed.read()
         assert "x-ponto-origin-request-id" not in echoed.headers
         spaced = await s.post(chat("spaced", stream=stream, temperature=0.5))
         assert spaced.status == 200 and await spaced.read()
         assert "x-ponto-origin-request-id" not in spaced.headers
-        logged = [line["origin_request_id"] for line in lines(s, capfd)]
-        assert logged == ["req_hosted_1", "req_hosted_2", None, None]
+        logged = [(line["origin_request_id"], line["error"]) for line in lines(s, capfd)]
+        assert logged == [
+            ("req_hosted_1", None),
+            ("req_hosted_2", "unsupported_parameter"),
+            (None, None),
+            (None, None),
+        ]
+        labels = {
+            "gen_ai_operation_name": "chat",
+            "gen_ai_provider_name": "openai",
+            "gen_ai_request_model": "sim-small",
+            "ponto_region": "r1",
+            "ponto_cache": "bypass",
+        }
+        registry = s.app[METRICS].registry
+        count = "gen_ai_client_operation_duration_seconds_count"
+        assert registry.get_sample_value(count, {**labels, "error_type": "400"}) == 1
     finally:
         await s.close()
 
@@ -755,9 +785,9 @@ async def test_a_stored_responses_routes_log_the_origin_that_answered(
     null, attempts 0 and the proxy's region (the stored routes make no
     Exchange), and the origin's own x-request-id was the answer's. Now a
     stored route's line names the origin, its region, its request id and the
-    calls, as a proxied request's does (an error answer: none; calls made);
-    the answer's x-request-id is the proxy's, the origin's is
-    x-ponto-origin-request-id."""
+    calls, as a proxied request's does (the proxy's own error: none; calls
+    made); the answer's x-request-id is the proxy's, the origin's is
+    x-ponto-origin-request-id, on the origin's error answer too."""
     theirs = (f"req_far_{n}" for n in range(1, 100))
     arrived, release = asyncio.Event(), asyncio.Event()
 
@@ -829,11 +859,12 @@ async def test_a_stored_responses_routes_log_the_origin_that_answered(
             assert resp.status == status, (path, await resp.text())
             assert resp.headers["x-ponto-attempts"] == "1"
             assert resp.headers["x-request-id"] == f"mine-{n}", path  # not the origin's
-            if status == 200:
+            if status < 500:  # the origin's answer, error or not
                 assert resp.headers["x-ponto-origin"] == "far", path
                 assert resp.headers["x-ponto-region"] == "r2", path
                 assert resp.headers["x-ponto-origin-request-id"] == f"req_far_{n}", path
-            else:  # an error answer names no origin
+            else:  # the proxy's own error names no origin
+                assert "x-ponto-origin" not in resp.headers, path
                 assert "x-ponto-origin-request-id" not in resp.headers, path
         leaving = asyncio.create_task(s.client.get(one + "/input_items?hang=1", headers=auth))
         await arrived.wait()
@@ -849,20 +880,21 @@ async def test_a_stored_responses_routes_log_the_origin_that_answered(
             await leaving
         logged = [
             (line["endpoint"], line["status"], line["origin"], line["region"],
-             line["origin_request_id"], line["attempts"])
+             line["origin_request_id"], line["attempts"], line["error"])
             for line in lines(s, capfd)
         ]  # fmt: skip
         assert logged == [
-            ("responses", 200, "far", "r2", "req_far_1", 1),
-            ("responses.retrieve", 200, "far", "r2", "req_far_2", 1),
-            ("responses.retrieve", 200, "far", "r2", "req_far_3", 1),
-            ("responses.delete", 200, "far", "r2", "req_far_4", 1),
-            # The origin's own error answer: its origin and id, as a proxied one's.
-            ("responses.cancel", 400, "far", "r2", "req_far_5", 1),
+            ("responses", 200, "far", "r2", "req_far_1", 1, None),
+            ("responses.retrieve", 200, "far", "r2", "req_far_2", 1, None),
+            ("responses.retrieve", 200, "far", "r2", "req_far_3", 1, None),
+            ("responses.delete", 200, "far", "r2", "req_far_4", 1, None),
+            # The origin's own error answer: its origin, id and error (its
+            # type: it gave no code), as a proxied one's.
+            ("responses.cancel", 400, "far", "r2", "req_far_5", 1, "invalid_request_error"),
             # No answer (a 5xx is the fixed 502): the call made, no origin.
-            ("responses.input_items", 502, None, "r1", None, 1),
+            ("responses.input_items", 502, None, "r1", None, 1, "upstream_unavailable"),
             # Its client left once the call was sent (a 499): the call, its origin.
-            ("responses.input_items", 499, "far", "r2", None, 1),
+            ("responses.input_items", 499, "far", "r2", None, 1, "client_disconnected"),
         ]
     finally:
         release.set()

@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from dataplane import jsonio
 from dataplane.assemble import PromptRules, assemble, names_twice, ruled_fields
 from dataplane.http.errors import (
+    MAX_ORIGIN_ERROR_BYTES,
     UPSTREAM_FAILED,
     UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_REFUSED,
@@ -20,7 +21,7 @@ from dataplane.http.errors import (
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
     ApiError,
-    origin_error_body,
+    origin_error,
     responses_broken_event,
     stream_broken_event,
 )
@@ -195,7 +196,7 @@ def test_an_origin_error_keeps_only_its_four_fields() -> None:
             }
         }
     )
-    shown = json.loads(origin_error_body(400, "application/json", body))
+    shown = json.loads(origin_error(400, "application/json", body).body)
     assert shown == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": "x"}
     }
@@ -205,7 +206,7 @@ def test_a_tgi_error_is_passed_with_its_error_type() -> None:
     # TGI's shape: a string error, its kind beside it (trial 51: the fixed message).
     body = b'{"error": "Input validation error: `max_new_tokens` must be <= 4096",'
     body += b' "error_type": "validation"}'
-    shown = json.loads(origin_error_body(422, "application/json", body))
+    shown = json.loads(origin_error(422, "application/json", body).body)
     assert shown == {
         "error": {
             "message": "Input validation error: `max_new_tokens` must be <= 4096",
@@ -214,7 +215,7 @@ def test_a_tgi_error_is_passed_with_its_error_type() -> None:
             "code": None,
         }
     }
-    untyped = json.loads(origin_error_body(400, "application/json", b'{"error": "bad"}'))
+    untyped = json.loads(origin_error(400, "application/json", b'{"error": "bad"}').body)
     assert untyped["error"]["type"] == "invalid_request_error"
 
 
@@ -222,7 +223,7 @@ def test_an_origin_errors_names_past_their_bound_are_dropped() -> None:
     body = jsonio.dumps(
         {"error": {"message": "bad", "type": "t" * 257, "param": "p" * 257, "code": "c"}}
     )
-    shown = json.loads(origin_error_body(400, "application/json", body))
+    shown = json.loads(origin_error(400, "application/json", body).body)
     assert shown["error"] == {
         "message": "bad",
         "type": "invalid_request_error",
@@ -247,7 +248,7 @@ def test_an_origin_errors_names_past_their_bound_are_dropped() -> None:
 def test_any_other_origin_error_becomes_a_fixed_one(
     status: int, content_type: str, body: bytes
 ) -> None:
-    shown = json.loads(origin_error_body(status, content_type, body))
+    shown = json.loads(origin_error(status, content_type, body).body)
     assert shown == {
         "error": {
             "message": UPSTREAM_REFUSED,
@@ -256,6 +257,61 @@ def test_any_other_origin_error_becomes_a_fixed_one(
             "code": "upstream_error",
         }
     }
+
+
+def _error(**fields: object) -> bytes:
+    return jsonio.dumps({"error": {"message": "refused", **fields}})
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "body", "code"),
+    [
+        # OpenAI's: its code.
+        (400, "application/json", _error(type="invalid_request_error",
+                                         code="unsupported_parameter"), "unsupported_parameter"),
+        # No code: its type. vLLM's flat one has the status as its code, a number.
+        (400, "application/json", _error(type="invalid_request_error", code=None),
+         "invalid_request_error"),
+        (400, "application/json",
+         b'{"object": "error", "message": "m", "type": "BadRequestError", "code": 400}',
+         "BadRequestError"),
+        (422, "application/json", b'{"error": "too long", "error_type": "validation"}',
+         "validation"),
+        # A status whose message is not passed on: its code is logged all the
+        # same (a name), and so is one whose message is too long to pass.
+        (410, "application/json", _error(code="model_retired"), "model_retired"),
+        (400, "application/json",
+         jsonio.dumps({"error": {"message": "x" * 2000, "code": "context_length_exceeded"}}),
+         "context_length_exceeded"),
+        # No name a log should hold: the status is logged.
+        (400, "application/json", _error(code="two words"), ""),
+        (400, "application/json", _error(code='q"uote', type="t\n"), ""),
+        (400, "application/json", _error(code="c" * 65), ""),
+        (400, "application/json", _error(code="código"), ""),
+        (400, "application/json", _error(), ""),
+        (400, "text/plain", b'{"error": {"message": "m", "code": "c"}}', ""),
+        (400, "application/json", b"[1]", ""),
+        (400, "application/json", b"{not json", ""),
+    ],
+)  # fmt: skip
+def test_the_log_gets_an_origin_errors_own_code_when_a_name(
+    status: int, content_type: str, body: bytes, code: str
+) -> None:
+    assert origin_error(status, content_type, body).code == code
+
+
+def test_an_origin_error_body_past_its_bound_is_not_parsed() -> None:
+    """A body of more than MAX_ORIGIN_ERROR_BYTES is no error the allowlist
+    would pass (a message of 1,024 characters, three names): it is not parsed
+    on the event loop, for the client or the log."""
+    fields = {"type": "invalid_request_error", "code": "unsupported_parameter"}
+    whole = _error(**fields, pad=" " * (MAX_ORIGIN_ERROR_BYTES - 200))
+    assert len(whole) <= MAX_ORIGIN_ERROR_BYTES
+    assert origin_error(400, "application/json", whole).code == "unsupported_parameter"
+    large = _error(**fields, pad=" " * MAX_ORIGIN_ERROR_BYTES)
+    shown = origin_error(400, "application/json", large)
+    assert shown.code == ""
+    assert json.loads(shown.body)["error"]["code"] == "upstream_error"
 
 
 def test_the_broken_stream_event_is_an_error_then_done() -> None:
