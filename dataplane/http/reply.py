@@ -6,16 +6,13 @@ dropped, see dataplane.upstream.forwarder), then Ponto's (`x-request-id`,
 request's scopes.
 
 An origin's error answer (400 and up) keeps none of the origin's headers and
-only an allowlisted body (dataplane.http.errors.origin_error). Every answer an
-origin gave, error or success, names it and its region (`x-ponto-origin`,
-`x-ponto-region`), for tracing which replica answered, and carries the
-origin's own request id (ORIGIN_REQUEST_ID_HEADER) when it gave one: a
-hosted API's support asks for that id most when it refused a request, and
-the origin's name says whether it was the origin that refused or the proxy.
-They are the operator's names, which any client's successful answer shows
-already; the allowlist is of what an origin says (its headers, its body).
-Errors the proxy makes itself (no origin reached, every one failed, a limit,
-a broken stream) name none: no origin's answer is in them.
+only an allowlisted body (dataplane.http.errors.origin_error), and, like
+every error, names no origin or region: those stay in the logs, under the
+request id the client can quote (issue 15's allowlist). A success names them
+(`x-ponto-origin`, `x-ponto-region`), for tracing which replica answered.
+Any answer an origin gave, error or success, carries the origin's own request
+id (ORIGIN_REQUEST_ID_HEADER) when it gave one: an opaque id, which a hosted
+API's support asks for most when it refused a request.
 """
 
 from __future__ import annotations
@@ -78,9 +75,10 @@ def _origin_headers(
     ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
 ) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
-    target = origin.target
-    headers["x-ponto-origin"] = target.name
-    headers["x-ponto-region"] = target.region
+    if not error:  # an error answer names no origin (issue 15's allowlist)
+        target = origin.target
+        headers["x-ponto-origin"] = target.name
+        headers["x-ponto-region"] = target.region
     if ex.origin_request_id is not None:
         headers[ORIGIN_REQUEST_ID_HEADER] = ex.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)

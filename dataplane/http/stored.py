@@ -25,10 +25,10 @@ No Exchange: these calls are no inference (no GenAI metrics, no cache, no
 placement); the error boundary counts and logs them under their route's name,
 for the caller noted in PRINCIPAL, with the origin call noted in ORIGIN_CALL
 (the access line's origin, region, origin_request_id, attempts and an
-error answer's code, as a proxied request's). An answer the origin gave,
-error or not, names it as a proxied one does (`x-ponto-origin`,
-`x-ponto-region`, and `x-ponto-origin-request-id` for the origin's own
-request id), and its `x-request-id` is the proxy's.
+error answer's code, as a proxied request's). An answer names its origin as
+a proxied one does (`x-ponto-origin`, `x-ponto-region`; none on an error),
+carries `x-ponto-origin-request-id` for the origin's own request id (an
+error too), and its `x-request-id` is the proxy's.
 """
 
 from __future__ import annotations
@@ -270,13 +270,14 @@ def _headers(
     origin: OriginAnswer, called: OriginCall, limits: list[tuple[str, str]], *, error: bool
 ) -> CIMultiDict[str]:
     """As reply's for a proxied answer: the origin's (none on an error) but
-    its x-request-id, then where it came from and the origin's own request
-    id, the attempts and the caller's limits. The answer's x-request-id is
+    its x-request-id, then where it came from (not on an error) and the
+    origin's own request id, the attempts and the caller's limits. The answer's x-request-id is
     the proxy's: the boundary's, or _relay's."""
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
     headers.popall("x-request-id", None)
-    headers["x-ponto-origin"] = origin.target.name
-    headers["x-ponto-region"] = origin.target.region
+    if not error:  # an error answer names no origin (issue 15's allowlist)
+        headers["x-ponto-origin"] = origin.target.name
+        headers["x-ponto-region"] = origin.target.region
     if called.origin_request_id is not None:
         headers[ORIGIN_REQUEST_ID_HEADER] = called.origin_request_id
     headers["x-ponto-attempts"] = str(origin.attempt)
