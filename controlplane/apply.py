@@ -745,6 +745,12 @@ def origin_changes(old: Origin, new: Origin) -> str:
     return change_text((f.path, f.before, f.after) for f in _compare("origin", old, new).changes)
 
 
+def region_changes(old: Region, new: Region) -> str:
+    """What a replacement changed of a region, as tenant_changes says it of
+    a tenant ("" for nothing): what the audit trail says of PutRegion."""
+    return change_text((f.path, f.before, f.after) for f in _compare("region", old, new).changes)
+
+
 def limit_changes(old: Limits, new: Limits) -> str:
     """What new limits changed of old ones (a key's), as change_text writes it."""
     return change_text(

@@ -266,14 +266,21 @@ class Catalog:
     async def put_region(
         self, region: Region, *, allow_update: bool, expected: Region | None = None
     ) -> Region:
+        """As save_region, the region as saved alone."""
+        saved, _ = await self.save_region(region, allow_update=allow_update, expected=expected)
+        return saved
+
+    async def save_region(
+        self, region: Region, *, allow_update: bool, expected: Region | None = None
+    ) -> tuple[Region, Region | None]:
         """Create region, or replace it when allow_update; with `expected`,
         only a region whose settings (all but the drain flag) are still those
-        (ChangedSinceRead), as put_origin."""
+        (ChangedSinceRead), as save_origin. The region as saved, and the one
+        it replaced (None: created): PutRegion's audit entry says what changed."""
         region = region.validated()
-        saved, _ = await self._put(
+        return await self._put(
             "region", REGIONS, region, decode_region, allow_update, expected, _region_settings
         )
-        return saved
 
     async def get_region(self, name: str) -> Region:
         kv = await _guard(self.store.get(REGIONS + check_name("region", name)))
@@ -498,10 +505,19 @@ class Catalog:
     # ------------------------------------------------------------ tenants
 
     async def put_tenant(self, tenant: Tenant, *, allow_update: bool) -> Tenant:
+        """As save_tenant, the tenant as saved alone."""
+        saved, _ = await self.save_tenant(tenant, allow_update=allow_update)
+        return saved
+
+    async def save_tenant(
+        self, tenant: Tenant, *, allow_update: bool
+    ) -> tuple[Tenant, Tenant | None]:
+        """Create tenant, or replace it when allow_update. The tenant as
+        saved, and the one it replaced (None: created): PutTenant's audit
+        entry says what changed."""
         tenant = tenant.validated()
         await self._check_issuer_unique(tenant)
-        saved, _ = await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
-        return saved
+        return await self._put("tenant", TENANTS, tenant, decode_tenant, allow_update)
 
     async def update_tenant(self, name: str, change: Callable[[Tenant], Tenant]) -> Tenant:
         # The issuer is checked before anything is stored: a duplicate issuer

@@ -18,7 +18,13 @@ import orjson
 from controlplane.api import auditing
 from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
-from controlplane.apply import limit_changes, model_changes, origin_changes, tenant_changes
+from controlplane.apply import (
+    limit_changes,
+    model_changes,
+    origin_changes,
+    region_changes,
+    tenant_changes,
+)
 from controlplane.audit import AuditEntry, AuditLog
 from controlplane.catalog import Catalog
 from controlplane.compile import limits_pb, tenant_pb
@@ -285,9 +291,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             raise InvalidArgument("region is required")
         region = region_of(request.region)
         expected = region_of(request.expected) if request.HasField("expected") else None
-        saved = await self._catalog.put_region(
+        saved, before = await self._catalog.save_region(
             region, allow_update=request.allow_update, expected=expected
         )
+        if before is not None:  # replaced: the trail says what the values were
+            auditing.note(changes=region_changes(before, saved) or "nothing")
         await self._warn_rtts(context, f"region {saved.name} saved")
         return region_pb(saved)
 
@@ -389,7 +397,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if not request.HasField("tenant"):
             raise InvalidArgument("tenant is required")
         tenant = tenant_of(request.tenant)
-        saved = await self._catalog.put_tenant(tenant, allow_update=request.allow_update)
+        saved, before = await self._catalog.save_tenant(tenant, allow_update=request.allow_update)
+        if before is not None:  # replaced: the trail says what the values were
+            auditing.note(changes=tenant_changes(before, saved) or "nothing")
         await self._warn_unserved(saved, context)
         return tenant_pb(saved)
 

@@ -490,6 +490,36 @@ async def test_an_origin_put_over_another_records_what_it_replaced(
     assert "changes" not in created
 
 
+async def test_a_region_or_tenant_put_over_another_records_what_it_replaced(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """As PutOrigin's entry does: a PutRegion or PutTenant with allow_update
+    that replaced a record says which values changed (`nothing` when none
+    did), and one that created it says no changes."""
+    clock.step = 0.001
+    async with admin_server(store, clock) as stub:
+        region = apb.RegionSpec(name="eu", latitude=53.3, longitude=-6.3)
+        await stub.PutRegion(apb.PutRegionRequest(region=region))
+        region.latitude, region.rtt_ms["us"] = 50.1, 80
+        await stub.PutRegion(apb.PutRegionRequest(region=region, allow_update=True))
+        await stub.PutRegion(apb.PutRegionRequest(region=region, allow_update=True))
+        tenant = pb.Tenant(name="acme")
+        await stub.PutTenant(apb.PutTenantRequest(tenant=tenant))
+        tenant.limits.rpm = 600
+        await stub.PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True))
+        await stub.PutTenant(apb.PutTenantRequest(tenant=tenant, allow_update=True))
+        regions = (await stub.ListAudit(apb.ListAuditRequest(action="PutRegion"))).entries
+        tenants = (await stub.ListAudit(apb.ListAuditRequest(action="PutTenant"))).entries
+    created, replaced, again = [dict(e.detail) for e in reversed(regions)]
+    assert "changes" not in created
+    assert replaced["changes"] == 'lat 53.3 -> 50.1; rtt_ms unset -> {"us":80.0}'
+    assert again["changes"] == "nothing"
+    created, replaced, again = [dict(e.detail) for e in reversed(tenants)]
+    assert "changes" not in created
+    assert replaced["changes"] == 'limits unset -> {"rpm":600}'
+    assert again["changes"] == "nothing"
+
+
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
     async with admin_server(store, clock) as stub:
         for name in ("a", "b"):
