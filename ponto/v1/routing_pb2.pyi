@@ -138,6 +138,70 @@ class RegisterResponse(_message.Message):
 Global___RegisterResponse: _TypeAlias = RegisterResponse  # noqa: Y015
 
 @_typing.final
+class DeregisterRequest(_message.Message):
+    """Sent by a proxy that stops, best effort: its registration leaves the fleet
+    at once (`pontoctl get proxies`, the status page, every proxy's share of a
+    global limit) rather than when its route stream ends, or, if it never
+    opened one, STREAM_GRACE (15 s) after its Register. Idempotent: a
+    registration that is not this process's, or none, is left as it is. Any
+    replica may answer it, whichever holds the registration. A control plane
+    from before it answers UNIMPLEMENTED, and the grace applies.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The proxy's name, as registered."""
+    session_id: _builtins.str
+    """Its RegisterResponse.session_id; empty when the proxy stopped before its
+    Register was answered.
+    """
+    started_at: _builtins.float
+    """Its ProxyInfo.started_at: with session_id empty, the registration of
+    `name` by the process started then is removed, and a Register of that
+    process still under way is refused.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        started_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "session_id", b"session_id", "started_at", b"started_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterRequest: _TypeAlias = DeregisterRequest  # noqa: Y015
+
+@_typing.final
+class DeregisterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    removed: _builtins.bool
+    """Whether a registration of the proxy was removed (false: there was none,
+    as when its stream's end removed it first).
+    """
+    def __init__(
+        self,
+        *,
+        removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterResponse: _TypeAlias = DeregisterResponse  # noqa: Y015
+
+@_typing.final
 class Region(_message.Message):
     """---------------------------------------------------------------- route tables"""
 

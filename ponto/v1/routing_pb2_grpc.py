@@ -44,6 +44,11 @@ class RoutingStub:
                 request_serializer=ponto_dot_v1_dot_routing__pb2.RouteRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_routing__pb2.RouteUpdate.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/ponto.v1.Routing/Deregister',
+                request_serializer=ponto_dot_v1_dot_routing__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_routing__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class RoutingServicer:
@@ -63,6 +68,13 @@ class RoutingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A stopping proxy's registration goes at once (DeregisterRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoutingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_RoutingServicer_to_server(servicer, server):
                     servicer.RouteStream,
                     request_deserializer=ponto_dot_v1_dot_routing__pb2.RouteRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_routing__pb2.RouteUpdate.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=ponto_dot_v1_dot_routing__pb2.DeregisterRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_routing__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Routing:
             '/ponto.v1.Routing/RouteStream',
             ponto_dot_v1_dot_routing__pb2.RouteRequest.SerializeToString,
             ponto_dot_v1_dot_routing__pb2.RouteUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Routing/Deregister',
+            ponto_dot_v1_dot_routing__pb2.DeregisterRequest.SerializeToString,
+            ponto_dot_v1_dot_routing__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

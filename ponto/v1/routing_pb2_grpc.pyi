@@ -43,6 +43,8 @@ class RoutingStub:
     """Bidirectional like xDS's aggregated stream: the server pushes tables, the
     proxy answers each one on the same stream.
     """
+    Deregister: _grpc.UnaryUnaryMultiCallable[_routing_pb2.DeregisterRequest, _routing_pb2.DeregisterResponse]
+    """A stopping proxy's registration goes at once (DeregisterRequest)."""
 
 @_typing.type_check_only
 class RoutingAsyncStub(RoutingStub):
@@ -52,6 +54,8 @@ class RoutingAsyncStub(RoutingStub):
     """Bidirectional like xDS's aggregated stream: the server pushes tables, the
     proxy answers each one on the same stream.
     """
+    Deregister: _aio.UnaryUnaryMultiCallable[_routing_pb2.DeregisterRequest, _routing_pb2.DeregisterResponse]  # type: ignore[assignment]
+    """A stopping proxy's registration goes at once (DeregisterRequest)."""
 
 class RoutingServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -70,5 +74,13 @@ class RoutingServicer(metaclass=_abc_1.ABCMeta):
         """Bidirectional like xDS's aggregated stream: the server pushes tables, the
         proxy answers each one on the same stream.
         """
+
+    @_abc_1.abstractmethod
+    def Deregister(
+        self,
+        request: _routing_pb2.DeregisterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_routing_pb2.DeregisterResponse, _abc.Awaitable[_routing_pb2.DeregisterResponse]]:
+        """A stopping proxy's registration goes at once (DeregisterRequest)."""
 
 def add_RoutingServicer_to_server(servicer: RoutingServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
