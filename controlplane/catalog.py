@@ -134,6 +134,11 @@ CONFLICTS = ROOT + "conflicts/"
 # How long after its last refusal such a process is named beside the holder:
 # it asks again every 30 s while it runs (dataplane.sync.link).
 CONFLICT_SHOWN_S = 75.0
+# name -> the proxy process that deregistered it last (Departure), under a
+# short lease of its own (controlplane.registry.DEPARTED_TTL): what tells the
+# replica holding its session to drop it rather than write its key back, and
+# a Register of that process still under way to give up.
+DEPARTED = ROOT + "departed/"
 CAS_ATTEMPTS = 8
 # The latest key expiry taken (year 9999): later is a mistake, not a time.
 MAX_EXPIRY = 253402300799.0
@@ -163,6 +168,34 @@ async def _guard(aw: Awaitable[T]) -> T:
         raise OutcomeUnknown(str(exc)) from exc
     except StoreUnavailable as exc:
         raise Unavailable(f"state store unavailable: {exc}") from exc
+
+
+class Departure(NamedTuple):
+    """A proxy process that deregistered (Routing.Deregister): its session
+    (empty when its Register was not answered) and its start (0: not said)."""
+
+    session_id: str
+    started_at: float
+
+    def of(self, record: ProxyRecord) -> bool:
+        """Whether `record` is a registration of this process: its session, or,
+        with no session said, the process started at `started_at` (a start is
+        the process's own, to the microsecond; 0 matches none)."""
+        if self.session_id:
+            return record.session_id == self.session_id
+        return self.started_at > 0 and record.started_at == self.started_at
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"session_id": self.session_id, "started_at": self.started_at})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Departure | None:
+        """The departure a DEPARTED key holds; None if it does not decode."""
+        try:
+            value = orjson.loads(raw)
+            return cls(str(value["session_id"]), float(value["started_at"]))
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 class Catalog:
@@ -1096,6 +1129,47 @@ class Catalog:
         # A conflict means it re-registered meanwhile: the new session owns the key.
         with contextlib.suppress(Conflict):
             await _guard(self.store.delete(kv.key, if_mod_revision=kv.mod_revision))
+
+    async def note_departure(self, name: str, departure: Departure, ttl: int) -> None:
+        """Note that proxy `name`'s process `departure` deregistered, for `ttl`
+        seconds (a lease of the note's own: a replica that holds none of its
+        sessions never reads it, and nothing else removes it)."""
+        lease = await _guard(self.store.grant_lease(ttl))
+        await _guard(self.store.put(DEPARTED + name, departure.encode(), lease=lease))
+
+    async def departures(self) -> dict[str, Departure]:
+        """The departures noted and not expired: proxy name -> its departure."""
+        listing = await _guard(self.store.list(DEPARTED))
+        out = {}
+        for kv in listing.items:
+            departure = Departure.decode(kv.value)
+            if departure is not None:
+                out[kv.key[len(DEPARTED) :]] = departure
+        return out
+
+    async def departure(self, name: str) -> Departure | None:
+        kv = await _guard(self.store.get(DEPARTED + name))
+        return None if kv is None else Departure.decode(kv.value)
+
+    async def departed_key(self, name: str, departure: Departure) -> KeyValue | None:
+        """Proxy `name`'s key, if it holds a registration of `departure`'s
+        process (Departure.of); else None."""
+        kv = await _guard(self.store.get(PROXIES + name))
+        if kv is None:
+            return None
+        try:
+            record = decode_proxy(kv.value)
+        except (ValueError, TypeError, KeyError):
+            return None
+        return kv if departure.of(record) else None
+
+    async def remove_key(self, kv: KeyValue) -> bool:
+        """Delete `kv`'s key unless it was written since `kv` was read (then
+        it holds another registration, which stays); whether it was."""
+        try:
+            return await _guard(self.store.delete(kv.key, if_mod_revision=kv.mod_revision))
+        except Conflict:
+            return False
 
     async def list_replicas(self) -> tuple[list[dict[str, object]], str]:
         """Live replicas and the leader's id ("" during an election)."""

@@ -54,6 +54,12 @@ class ChangedSinceRead(FailedPrecondition):
         super().__init__(f"{what} {CHANGED_SINCE_READ}; nothing was saved")
 
 
+class Departed(FailedPrecondition):
+    """A Register of a proxy process that has deregistered since it was sent
+    (Routing.Deregister): the process is stopping, and nothing of the
+    registration is kept."""
+
+
 class Unavailable(ControlPlaneError):
     status = grpc.StatusCode.UNAVAILABLE
 

@@ -17,6 +17,18 @@ is removed: a proxy that died between Register and RouteStream would otherwise
 stay listed, and counted in every proxy's fleet size (so in its share of each
 global limit), until the replica itself goes.
 
+A proxy that stops says so (Routing.Deregister, `deregister`), and its
+registration goes at once, whichever replica it asks: that replica deletes
+the key if it is still the process's, having first noted the departure
+(catalog.DEPARTED, for DEPARTED_TTL seconds). The note is what the replica
+holding the session reads when its key is found missing (`watch`, the
+self-check, a rewrite): it drops the session rather than write the key back,
+as it does for a key lost with a lease or an etcd restored from a snapshot.
+A Register of that process still under way (the proxy stopped before its
+answer) reads the note after its write, removes its key and fails; a route
+stream that arrives for a session deregistered is refused, or ended once its
+replica reads the note: a process that deregistered is never listed again.
+
 The keys this replica writes under its lease (its own, /ponto/replicas/ID,
 and its proxies') are written again whenever a lease is granted after the
 first, whoever asked for it, and retried with a bounded backoff until they
@@ -46,8 +58,17 @@ from dataclasses import replace
 
 import orjson
 
-from controlplane.catalog import PROXIES, REPLICAS, Catalog, Ejections, Limited, Served, Traffic
-from controlplane.errors import Superseded, Unavailable
+from controlplane.catalog import (
+    PROXIES,
+    REPLICAS,
+    Catalog,
+    Departure,
+    Ejections,
+    Limited,
+    Served,
+    Traffic,
+)
+from controlplane.errors import Departed, Superseded, Unavailable
 from controlplane.model import ProxyRecord, decode_proxy
 from controlplane.quotasync import QUOTA_FORMAT
 from controlplane.store import KeyValue, LeaseExpired, Listing, StoreError, StoreUnavailable
@@ -64,6 +85,12 @@ TRAFFIC_EVERY = 5.0
 # right after Register returns; this leaves room for a slow network or a
 # paused process, far less than the minutes a replica lives.
 STREAM_GRACE = 15.0
+# How long a deregistration's note (catalog.DEPARTED) lasts: past a Register
+# under way (5 s at most, the proxy's deadline) and past the holding
+# replica's read of its registrations (0.5 s after a change, a rescan and a
+# self-check every 30 s). A note gone before that read leaves the session to
+# the stream grace, or to its stream's end.
+DEPARTED_TTL = 60
 # At most one read of the registrations (to find this replica's sessions
 # superseded elsewhere) per this many seconds: a superseded stream ends this
 # much later at worst.
@@ -367,6 +394,12 @@ class ProxyRegistry:
             raise Unavailable(
                 "this control plane's lease expired (it stalled); it is renewing it, try again"
             ) from None
+        if await self._departed(record):
+            # Its process deregistered while this call was under way (it
+            # stopped before the answer): the key just written is removed.
+            self._unstreamed.pop(record.session_id, None)
+            await self._remove_key(name, record.session_id)
+            raise Departed(f"proxy {name}'s process deregistered; it is stopping")
         old = self._by_name.get(name)
         if old is not None:
             if self.streaming_now(old):
@@ -383,6 +416,71 @@ class ProxyRegistry:
         self._ended[record.session_id] = asyncio.Event()
         self._acks_dirty = True
         return record
+
+    async def _departed(self, record: ProxyRecord) -> bool:
+        """Whether a departure noted of `record`'s name is its process's; False
+        when none is, when it says no start (nothing could name it before its
+        answer), or when the store does not answer (the grace then applies)."""
+        if record.started_at <= 0:
+            return False
+        try:
+            departure = await self._catalog.departure(record.name)
+        except Unavailable:
+            return False
+        return departure is not None and departure.of(record)
+
+    async def deregister(self, name: str, session_id: str, started_at: float) -> bool:
+        """Remove proxy `name`'s registration by the process that asks
+        (Routing.Deregister): its session `session_id`, or, when empty (its
+        Register was not answered), the one of its process started at
+        `started_at`; whether one was removed. Idempotent, and any replica may
+        be asked: another's session is deleted from the store after a note of
+        the departure, which that replica reads before it would write the key
+        back (see the module's docstring). Unavailable if the store does not
+        answer (the proxy gives up; the grace applies)."""
+        departure = Departure(session_id, started_at)
+        removed = False
+        for held, record in list(self.sessions.items()):
+            if record.name == name and departure.of(record):
+                await self.unregister(held)
+                removed = True
+        if removed and session_id:
+            return True  # a session is one replica's: none holds it elsewhere
+        noted = False
+        if not session_id:
+            # Before the read: a Register of the process under way here or
+            # elsewhere reads it after its write, or wrote before the read.
+            await self._catalog.note_departure(name, departure, DEPARTED_TTL)
+            noted = True
+        kv = await self._catalog.departed_key(name, departure)
+        if kv is None:
+            return removed
+        if not noted:
+            # Before the delete: the replica holding the session must drop it
+            # when it finds the key gone, not write it back.
+            await self._catalog.note_departure(name, departure, DEPARTED_TTL)
+        return await self._catalog.remove_key(kv) or removed
+
+    async def _drop_departed(self, listing: Listing) -> None:
+        """Drop this replica's sessions whose key `listing` (of PROXIES)
+        lacks, when a departure noted is their process's: deregistered through
+        another replica (or through this one while its Register was under
+        way). Read only when a key is missing; a failed read keeps them."""
+        names = {kv.key[len(PROXIES) :] for kv in listing.items}
+        gone = [(sid, r) for sid, r in self.sessions.items() if r.name not in names]
+        if not gone:
+            return
+        try:
+            departures = await self._catalog.departures()
+        except Unavailable as exc:
+            log.debug("departures not read: %s", exc)
+            return
+        for session_id, record in gone:
+            departure = departures.get(record.name)
+            if departure is None or not departure.of(record) or session_id not in self.sessions:
+                continue
+            log.info("proxy %s deregistered (session %s)", record.name, session_id)
+            self._forget(session_id)
 
     def ended(self, session_id: str) -> asyncio.Event:
         """Set once the session is no longer this replica's: its name
@@ -481,6 +579,7 @@ class ProxyRegistry:
                     record, holder.address, holder.host, "superseded while it streams"
                 )
             self._forget(session_id)
+        await self._drop_departed(listing)
         if lease:
             self._write_missing(self._missing(listing, lease, before), lease)
         return True
@@ -809,6 +908,7 @@ class ProxyRegistry:
         except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("self-check not made: %s", exc)
             return False
+        await self._drop_departed(listing)
         missing = self._missing(listing, lease, before)
         if lease != self._lease or self._rewrite_due:
             return False  # the lease changed during the read
@@ -917,6 +1017,7 @@ class ProxyRegistry:
             self._rewrite_took = self._rewrite_asked
             await self._put_announcement(lease)
             records = [r for sid, r in list(self.sessions.items()) if only is None or sid in only]
+            records = await self._not_departed(records)
             await self._restore_all(records, lease)
         except LeaseExpired as exc:
             self._rewrite_failed(exc, only)
@@ -967,6 +1068,23 @@ class ProxyRegistry:
                 len(self.sessions),
                 lease,
             )
+
+    async def _not_departed(self, records: list[ProxyRecord]) -> list[ProxyRecord]:
+        """`records` but those of processes that deregistered (through any
+        replica) while their keys were away with the lease, whose sessions
+        are dropped: not written back."""
+        if not records:
+            return records
+        departures = await self._catalog.departures()
+        kept = []
+        for record in records:
+            departure = departures.get(record.name)
+            if departure is not None and departure.of(record):
+                log.info("proxy %s deregistered (session %s)", record.name, record.session_id)
+                self._forget(record.session_id)
+            elif record.session_id in self.sessions:
+                kept.append(record)
+        return kept
 
     async def _restore_all(self, records: list[ProxyRecord], lease: int) -> None:
         """Write `records`' keys again under `lease`, REWRITE_CONCURRENCY at

@@ -80,8 +80,11 @@ def peer_host(peer: str) -> str:
 
 
 def proxy_name(request: Any) -> str:
-    """The proxy name a Register request gave ("" for any other request)."""
-    return request.proxy.name if isinstance(request, pb.RegisterRequest) else ""
+    """The proxy name a Register or Deregister request gave ("" for any other
+    request)."""
+    if isinstance(request, pb.RegisterRequest):
+        return request.proxy.name
+    return request.name if isinstance(request, pb.DeregisterRequest) else ""
 
 
 # A proxy name in a log line: a Register request is read before its token is

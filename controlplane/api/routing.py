@@ -165,6 +165,11 @@ class RoutingService:
                     request_deserializer=pb.RouteRequest.FromString,
                     response_serializer=_identity,
                 ),
+                "Deregister": grpc.unary_unary_rpc_method_handler(
+                    self.deregister,
+                    request_deserializer=pb.DeregisterRequest.FromString,
+                    response_serializer=pb.DeregisterResponse.SerializeToString,
+                ),
             },
         )
 
@@ -200,6 +205,32 @@ class RoutingService:
             control_plane_id=self._registry.replica_id,
             fleet_size=await self._registry.fleet_size(),
         )
+
+    @grpc_errors
+    async def deregister(
+        self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DeregisterResponse:
+        """A stopping proxy's registration goes (ProxyRegistry.deregister).
+        Authenticated as Register is (api.guard: the Routing service's token
+        and certificate role); the session id, which only its proxy was told,
+        or its process's start names what is removed, never another
+        process's registration of the name."""
+        check_name("proxy", request.name)
+        if len(request.session_id) > MAX_FIELD:
+            raise InvalidArgument("session id is too long")
+        started = request.started_at
+        if not (math.isfinite(started) and started >= 0.0):
+            raise InvalidArgument(f"proxy start time {started!r} is not a time")
+        if not request.session_id and not started:
+            raise InvalidArgument("a deregistration names a session id or a start time")
+        removed = await self._registry.deregister(request.name, request.session_id, started)
+        if removed:
+            log.info(
+                "proxy %s deregistered (session %s)",
+                request.name,
+                request.session_id or "unanswered",
+            )
+        return pb.DeregisterResponse(removed=removed)
 
     async def route_stream(
         self,
