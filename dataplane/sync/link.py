@@ -56,6 +56,11 @@ SUPERSEDED_WAIT_S = 30.0
 # Ejected origins one report names: the control plane takes no more
 # (controlplane.api.routing.MAX_EJECTED).
 MAX_EJECTED_REPORTED = 64
+# The deadline of a stopping proxy's Deregister: a few etcd calls at the
+# control plane, and a TLS handshake. A control plane that does not answer
+# in time drops the registration itself, when the stream's end reaches it or
+# at its stream grace (15 s): the stop is not held up longer for it.
+DEREGISTER_TIMEOUT_S = 2.0
 
 
 def traffic_of(
@@ -149,6 +154,7 @@ class ControlPlaneClient:
         traffic: Callable[[], Traffic] | None = None,
         ejected: Callable[[], Sequence[Ejected]] | None = None,
         report_interval: float = 1.0,
+        deregister_timeout: float = DEREGISTER_TIMEOUT_S,
         backoff_min: float = 0.2,
         backoff_max: float = 5.0,
         superseded_wait: float = SUPERSEDED_WAIT_S,
@@ -179,6 +185,10 @@ class ControlPlaneClient:
         self._traffic = traffic
         self._ejected = ejected
         self._report_interval = report_interval
+        self._deregister_timeout = deregister_timeout
+        # The address of the last Register sent and its session ("" until it
+        # is answered): what a stop deregisters (see _deregister).
+        self._registration: tuple[str, str] | None = None
         self._clock = clock
         # The last failure logged of each address: a retry that fails the
         # same way is logged at debug, so the cause stays readable in the log.
@@ -213,7 +223,60 @@ class ControlPlaneClient:
             self._task.cancel()
 
     async def run(self) -> None:
+        """Register and follow the control plane until cancelled (the proxy
+        stopping, or stop()); then deregister, best effort (_deregister)."""
         self._task = asyncio.current_task()
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            await self._deregister()
+            raise
+
+    async def _deregister(self) -> None:
+        """Tell the control plane of the last Register sent that this process
+        is leaving (Routing.Deregister), within the deregister timeout: a
+        registration whose stream never opened (the proxy stopped between
+        the two calls, or in the Register) had stayed listed, and counted in
+        every proxy's share of a global limit, for the control plane's
+        stream grace (15 s). Sent after this link's channel closed: a stream
+        that was open is removed by its end, and this finds nothing. A
+        session superseded by another process of the name (a group worker's
+        successor) is not this process's and stays. A control plane from
+        before the call (UNIMPLEMENTED) or one that does not answer is said
+        at DEBUG and INFO: its grace applies."""
+        if self._registration is None:
+            return
+        address, session_id = self._registration
+        self._registration = None
+        if not session_id and self._info.started_at <= 0:
+            return  # nothing would name this process's registration
+        request = pb.DeregisterRequest(
+            name=self._info.name, session_id=session_id, started_at=self._info.started_at
+        )
+        try:
+            async with aio_channel(address, self._credentials) as channel:
+                reply = await routing_pb2_grpc.RoutingStub(channel).Deregister(
+                    request, timeout=self._deregister_timeout, metadata=self._credentials.metadata
+                )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.debug("control plane at %s predates Deregister: its grace applies", address)
+            else:
+                log.info(
+                    "could not deregister from the control plane at %s (%s: %s); it drops "
+                    "this proxy's registration itself",
+                    address,
+                    exc.code().name,
+                    exc.details(),
+                )
+            return
+        except (OSError, CredentialError) as exc:
+            log.info("could not deregister from the control plane at %s: %s", address, exc)
+            return
+        if reply.removed:
+            log.info("deregistered from the control plane at %s", address)
+
+    async def _run(self) -> None:
         await self.address_known.wait()
         backoff = self._backoff_min
         index = self._random.randrange(len(self._addresses))
@@ -350,9 +413,20 @@ class ControlPlaneClient:
             # started_at is judged against this clock (a clock ahead of the
             # control plane's is no start in the future).
             self._info.sent_at = time.time()
-            reg = await stub.Register(
-                pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
-            )
+            # Noted before the call: one cancelled (the proxy stopping) may
+            # still register it, by the process's start (_deregister).
+            self._registration = (address, "")
+            try:
+                reg = await stub.Register(
+                    pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Refused, or never sent (no connection): nothing to
+                    # deregister, and nothing to say at a stop.
+                    self._registration = None
+                raise
+            self._registration = (address, reg.session_id)
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
             # A new session's registration holds no warnings yet.
             self._told = ()
