@@ -1121,14 +1121,13 @@ class Catalog:
         kv = await _guard(self.store.get(PROXIES + name))
         return None if kv is None else decode_proxy(kv.value)
 
-    async def remove_proxy(self, name: str, session_id: str) -> None:
-        """Remove the registration only if it is still this session's."""
+    async def remove_proxy(self, name: str, session_id: str) -> bool:
+        """Remove the registration only if it is still this session's; whether it was."""
         kv = await _guard(self.store.get(PROXIES + name))
         if kv is None or decode_proxy(kv.value).session_id != session_id:
-            return
+            return False
         # A conflict means it re-registered meanwhile: the new session owns the key.
-        with contextlib.suppress(Conflict):
-            await _guard(self.store.delete(kv.key, if_mod_revision=kv.mod_revision))
+        return await self.remove_key(kv)
 
     async def note_departure(self, name: str, departure: Departure, ttl: int) -> None:
         """Note that proxy `name`'s process `departure` deregistered, for `ttl`

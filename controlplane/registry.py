@@ -765,17 +765,19 @@ class ProxyRegistry:
             if pending is None:
                 continue
             name = pending[0]
-            log.warning(
+            said = (
                 "proxy %s registered (session %s) but opened no route stream in %gs; "
-                "its registration is removed",
-                name,
-                session_id,
-                self._stream_grace,
+                "its registration is removed"
             )
             if session_id in self.sessions:
+                log.warning(said, name, session_id, self._stream_grace)
                 await self.unregister(session_id)
-                continue
-            await self._remove_key(name, session_id)  # its Register never finished
+            elif await self._remove_key(name, session_id):  # its Register never finished
+                log.warning(said, name, session_id, self._stream_grace)
+            else:
+                # Never written, or removed since: its proxy deregistered
+                # (it stopped during the call), or registered again.
+                log.debug("proxy %s: its Register (session %s) left no key", name, session_id)
 
     async def unregister(self, session_id: str) -> None:
         record = self._forget(session_id)
@@ -800,12 +802,14 @@ class ProxyRegistry:
         self._acks_dirty = True
         return record
 
-    async def _remove_key(self, name: str, session_id: str) -> None:
-        """Remove proxy `name`'s key if it is still `session_id`'s."""
+    async def _remove_key(self, name: str, session_id: str) -> bool:
+        """Remove proxy `name`'s key if it is still `session_id`'s; whether
+        it was (a store that does not answer: True, said, the key kept)."""
         try:
-            await self._catalog.remove_proxy(name, session_id)
+            return await self._catalog.remove_proxy(name, session_id)
         except Unavailable as exc:
             log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
+            return True
 
     async def keepalive(self) -> None:
         """Refresh the lease and rewrite this replica's key (its heartbeat)

@@ -30,6 +30,7 @@ from tests.unit.test_link_loads import ScriptedRouting
 from tests.unit.test_registration_deadline import (
     HeldPutStore,
     RefusingStream,
+    SlowStore,
     fleet,
     lose_lease,
     two_replicas,
@@ -134,6 +135,36 @@ async def test_a_register_under_way_when_its_process_deregisters_leaves_nothing(
     later = await registry.register("p1", "eu", "127.0.0.1:1", "1", started_at=STARTED + 1)
     assert registry.streaming(later.session_id)
     assert await fleet(catalog) == ["p1"]
+
+
+async def test_a_register_cut_by_its_proxys_stop_goes_with_its_deregistration_unwarned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The proxy stopped during its Register: gRPC cancelled the call after
+    its write, and the proxy's Deregister, naming its start, removes the key
+    at once; the grace's sweep then finds nothing to remove and warns of no
+    route stream never opened."""
+    store = SlowStore()
+    catalog = Catalog(store)
+    registry = ProxyRegistry(catalog, "cp", stream_grace=10.0)
+    await registry.lease()
+    await registry.flush(0.0)
+    call = asyncio.create_task(
+        registry.register("p-cut", "eu", "127.0.0.1:1", "1", started_at=STARTED)
+    )
+    while not await fleet(catalog):
+        await asyncio.sleep(0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    store.release.set()
+    assert await registry.deregister("p-cut", "", STARTED)
+    assert await fleet(catalog) == []
+    caplog.set_level(logging.DEBUG, "controlplane.registry")
+    await registry.flush(1.0)
+    await registry.flush(11.0)
+    assert registry._unstreamed == {}
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_the_routing_service_refuses_a_deregistration_that_names_nothing() -> None:
