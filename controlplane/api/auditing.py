@@ -125,7 +125,10 @@ def audited(
                 described = describe(request, response)
                 if described is not None:
                     target, detail = described
-                    detail = {**detail, **notes}
+                    # Notes first: an entry over its bound keeps its first
+                    # keys (audit._bounded), and what a call noted (what it
+                    # changed) says more than the request's echo (review 287).
+                    detail = {**notes, **{k: v for k, v in detail.items() if k not in notes}}
                     await self.audit.record(
                         actor=actor_of(context.auth_context(), token_required=self.token_required),
                         action=action(request) if action else fn.__name__,

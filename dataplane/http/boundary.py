@@ -510,7 +510,7 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
             if exc.note:
                 about.append(f"[{exc.note}]")
             _refused(request, exc.status, exc.code, exc.message, " ".join(about))
-        return exc.response(), exc.code or str(exc.status)
+        return exc.response(), exc.recorded or exc.code or str(exc.status)
     if isinstance(exc, web.HTTPException):
         # Router errors (unknown path, wrong method) in the same shape.
         if exc.status < 400:

@@ -59,6 +59,10 @@ class ApiError(Exception):
         # For the log line only, after the message: what the client is not
         # told (which model list refused its model).
         self.note = ""
+        # What the metrics' error_type and the access log's `error` call it,
+        # when not its code: a code an origin chose (upstream_error_answer)
+        # would make label values without bound.
+        self.recorded: str | None = None
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         body = {
@@ -327,7 +331,7 @@ def upstream_error_answer(error: dict[str, str | None]) -> ApiError:
     dataplane.upstream.forwarder), none answering otherwise: the error one of
     them gave, as origin_error_of rebuilt it. Its status is no 4xx, since
     nothing tells the client's fault from the origin's."""
-    return ApiError(
+    answer = ApiError(
         502,
         error["message"] or UPSTREAM_FAILED,
         type=error["type"] or "upstream_error",
@@ -335,6 +339,8 @@ def upstream_error_answer(error: dict[str, str | None]) -> ApiError:
         code=error["code"],
         logged=True,
     )
+    answer.recorded = "upstream_error"  # the origin's code is the client's only
+    return answer
 
 
 def upstream_busy(retry_after_s: float) -> ApiError:
@@ -543,9 +549,10 @@ class OriginError(NamedTuple):
     """An origin's error answer (status 400 and up) as the proxy relays it."""
 
     body: bytes  # what the client gets: see origin_error
-    # What the access log's `error` says of it: the origin's own error code,
-    # or its type without one, when a name (LOGGED_ORIGIN_CODE); "" otherwise
-    # (the log then says the status).
+    # What the access log's `error` says of it: the origin's own error code
+    # when a name (LOGGED_ORIGIN_CODE), else its type when a name (vLLM's code
+    # is a number; a code of any other shape too); "" otherwise (the log then
+    # says the status).
     code: str
 
 

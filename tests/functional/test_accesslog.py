@@ -648,6 +648,36 @@ UNSUPPORTED = {
 }
 
 
+async def test_an_error_in_a_2xx_body_is_recorded_under_a_name_of_the_proxys(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Review 287: an origin's 200 `{"error": {...}}` judged the request's
+    fault reaches the client as a 502 with the origin's own code (up to 256
+    characters of anything), and that code was the metrics' error_type and
+    the access line's error: label values without bound, spaces in a log
+    field. Both now say `upstream_error`; the client's body keeps the code."""
+    said = {"error": {"message": "bad input", "type": "invalid_request_error", "code": "code one"}}
+
+    async def origin(request: web.Request) -> web.StreamResponse:
+        return web.json_response(said)
+
+    s = await stack_on(tmp_path, origin, args=["--access-log=on"])
+    try:
+        resp = await s.post(chat("an error in a 200"))
+        assert resp.status == 502
+        assert (await resp.json())["error"]["code"] == "code one"
+        [line] = lines(s, capfd)
+        assert (line["status"], line["error"]) == (502, "upstream_error")
+        assert s.app[METRICS].registry.get_sample_value(
+            "gen_ai_client_operation_duration_seconds_count",
+            {"gen_ai_operation_name": "chat", "gen_ai_provider_name": "openai",
+             "gen_ai_request_model": "sim-small", "error_type": "upstream_error",
+             "ponto_region": "r1", "ponto_cache": "miss"},
+        ) == 1  # fmt: skip
+    finally:
+        await s.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], stream: bool
@@ -657,7 +687,7 @@ async def test_a_hosted_origins_own_request_id_reaches_the_client_and_the_log(
     gets it as x-ponto-origin-request-id and the access line as
     origin_request_id; an origin that echoes the proxy's id adds nothing.
     Its error answer has it too (its support asks for it most when it
-    refused a request: it had none), names the origin that refused it, and
+    refused a request: it had none), names no origin (as every error), and
     its access line's error is the origin's code, where it was the status;
     the GenAI metrics' error type stays the status."""
     # The last as no client's id is taken: with a space.

@@ -520,6 +520,36 @@ async def test_a_region_or_tenant_put_over_another_records_what_it_replaced(
     assert again["changes"] == "nothing"
 
 
+class _Context:
+    """The servicer context an audited call reads: who and from where."""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+
+async def test_what_a_call_noted_outlives_the_cut_of_a_large_entry(log: AuditLog) -> None:
+    """Review 287: an entry over its bound keeps its first detail keys
+    (audit._bounded), and `changes`, which a call notes as it ends, came
+    last: a PutTenant of a tenant with every block set lost what it changed.
+    What a call noted now comes first, and wins over a request's own key."""
+
+    class Servicer:
+        audit, token_required = log, False
+
+        @auditing.audited(lambda req, _: ("tenant/t", {f"k{i:02}": "v" for i in range(40)}))
+        async def Put(self, request: object, context: object) -> str:
+            auditing.note(changes="k00 v -> w", k01="noted")
+            return "done"
+
+    assert await Servicer().Put(object(), _Context()) == "done"
+    (entry,) = await log.read()
+    assert entry.detail["changes"] == "k00 v -> w"
+    assert entry.detail["k01"] == "noted"
+
+
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
     async with admin_server(store, clock) as stub:
         for name in ("a", "b"):
