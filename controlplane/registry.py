@@ -776,7 +776,8 @@ class ProxyRegistry:
                 log.warning(said, name, session_id, self._stream_grace)
             else:
                 # Never written, or removed since: its proxy deregistered
-                # (it stopped during the call), or registered again.
+                # (it stopped during the call), or registered again; or the
+                # store did not answer (_remove_key said so).
                 log.debug("proxy %s: its Register (session %s) left no key", name, session_id)
 
     async def unregister(self, session_id: str) -> None:
@@ -804,12 +805,12 @@ class ProxyRegistry:
 
     async def _remove_key(self, name: str, session_id: str) -> bool:
         """Remove proxy `name`'s key if it is still `session_id`'s; whether
-        it was (a store that does not answer: True, said, the key kept)."""
+        it was (a store that does not answer: False, said, the key kept)."""
         try:
             return await self._catalog.remove_proxy(name, session_id)
         except Unavailable as exc:
             log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
-            return True
+            return False
 
     async def keepalive(self) -> None:
         """Refresh the lease and rewrite this replica's key (its heartbeat)

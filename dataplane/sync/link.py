@@ -238,8 +238,9 @@ class ControlPlaneClient:
         registration whose stream never opened (the proxy stopped between
         the two calls, or in the Register) had stayed listed, and counted in
         every proxy's share of a global limit, for the control plane's
-        stream grace (15 s). Sent after this link's channel closed: a stream
-        that was open is removed by its end, and this finds nothing. A
+        stream grace (15 s). Sent only for a registration whose stream
+        brought nothing (_session forgets one whose stream answered: its end
+        removes it), after this link's channel closed. A
         session superseded by another process of the name (a group worker's
         successor) is not this process's and stays. A control plane from
         before the call (UNIMPLEMENTED) or one that does not answer is said
@@ -463,6 +464,12 @@ class ControlPlaneClient:
             )
             try:
                 async for update in call:
+                    # The stream is open at the control plane: its end removes
+                    # the registration, which a stop need not deregister
+                    # (review 290: a Deregister racing the stream's end wrote
+                    # a departure note for nothing, and one to a replica that
+                    # hangs held the stop up to its deadline).
+                    self._registration = None
                     self.connected = True
                     if update.HasField("quota"):
                         self._apply_quota(update.quota)

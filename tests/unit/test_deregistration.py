@@ -194,8 +194,8 @@ class Routing(ScriptedRouting):
     Register unanswered); each route stream stays open, sending nothing;
     Deregister calls are kept."""
 
-    def __init__(self) -> None:
-        super().__init__([])
+    def __init__(self, script: list[pb.RouteUpdate] | None = None) -> None:
+        super().__init__(script or [])
         self.answer = asyncio.Event()
         self.answer.set()
         self.registers = 0
@@ -269,6 +269,19 @@ async def test_a_proxy_stopped_once_registered_deregisters_its_session() -> None
     assert service.deregistered == [
         pb.DeregisterRequest(name="p1", session_id="s-1", started_at=STARTED)
     ]
+
+
+async def test_a_proxy_whose_stream_answered_leaves_its_removal_to_the_streams_end() -> None:
+    """Review 290: a Deregister sent after a stream that had answered raced
+    the stream's end at the control plane, and wrote a departure note for
+    nothing (or held the stop up to its deadline at a replica that hangs)."""
+    service = Routing([pb.RouteUpdate(loads=pb.OriginLoads(generation=1))])
+    async with serving(service) as port:
+        link = link_to(port)
+        task = asyncio.create_task(link.run())
+        await until(lambda: link.loads_generation == 1)
+        await stopped(task)
+    assert service.deregistered == []
 
 
 async def test_a_proxy_stopped_in_its_register_deregisters_its_process() -> None:
