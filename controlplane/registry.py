@@ -29,6 +29,18 @@ answer) reads the note after its write, removes its key and fails; a route
 stream that arrives for a session deregistered is refused, or ended once its
 replica reads the note: a process that deregistered is never listed again.
 
+A key under this replica's lease that holds no session of it, registered
+or being registered, is removed when the replica reads its registrations
+(the self-check, the watch's read; `_drop_ghosts`): a restore from an etcd
+snapshot brings back the key of a proxy gone since, under a lease that
+lives on with the replica, so it would never expire (trial 73: listed for
+good, counted in every proxy's fleet size). A Register writes its key
+after naming its session (`_unstreamed`), a removal names its session
+until it is done (`_removing`), and the delete is conditional on the key
+as read: a registration written since stays. Keys under another lease are
+never touched, even one naming this replica: that lease is another
+process's, or one this replica lost, which nobody renews.
+
 The keys this replica writes under its lease (its own, /ponto/replicas/ID,
 and its proxies') are written again whenever a lease is granted after the
 first, whoever asked for it, and retried with a bounded backoff until they
@@ -237,6 +249,9 @@ class ProxyRegistry:
         # flush that saw them (None before one did): flush's clock is the only
         # one the deadline is read on.
         self._unstreamed: dict[str, tuple[str, float | None]] = {}
+        # Sessions whose key this replica is removing (_remove_key): no
+        # longer its sessions, but their keys are not ghosts (_drop_ghosts).
+        self._removing: set[str] = set()
         # The lease's keepalive or rewrite failed, and has not worked since.
         self._store_failing = False
         self._stream_grace = stream_grace
@@ -544,6 +559,10 @@ class ProxyRegistry:
         except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("registrations not read: %s", exc)
             return False
+        # First: a ghost of this replica's own under the name of one of its
+        # sessions (the same process, registered again since the snapshot)
+        # would be taken for a registration made elsewhere.
+        listing = await self._drop_ghosts(listing, lease)
         keys = {kv.key[len(PROXIES) :]: kv for kv in listing.items}
         for session_id, record in list(self.sessions.items()):
             kv = keys.get(record.name)
@@ -806,11 +825,15 @@ class ProxyRegistry:
     async def _remove_key(self, name: str, session_id: str) -> bool:
         """Remove proxy `name`'s key if it is still `session_id`'s; whether
         it was (a store that does not answer: False, said, the key kept)."""
+        self._removing.add(session_id)
         try:
             return await self._catalog.remove_proxy(name, session_id)
         except Unavailable as exc:
-            log.warning("could not remove %s (its key expires with the lease): %s", name, exc)
+            # The next read of the registrations removes it (_drop_ghosts).
+            log.warning("could not remove %s (removed at the next self-check): %s", name, exc)
             return False
+        finally:
+            self._removing.discard(session_id)
 
     async def keepalive(self) -> None:
         """Refresh the lease and rewrite this replica's key (its heartbeat)
@@ -913,6 +936,7 @@ class ProxyRegistry:
         except (StoreUnavailable, LeaseExpired) as exc:
             log.debug("self-check not made: %s", exc)
             return False
+        listing = await self._drop_ghosts(listing, lease)
         await self._drop_departed(listing)
         missing = self._missing(listing, lease, before)
         if lease != self._lease or self._rewrite_due:
@@ -920,6 +944,58 @@ class ProxyRegistry:
         own_missing = self._announcement is not None and (own is None or own.lease != lease)
         self._write_missing(missing, lease, own_missing=own_missing)
         return True
+
+    async def _drop_ghosts(self, listing: Listing, lease: int) -> Listing:
+        """Remove the keys `listing` (of PROXIES) holds under `lease`, still
+        this replica's live one, that hold no session of this replica's
+        (`_holds`): ghosts, such as a restore from an etcd snapshot brings
+        back of a proxy gone since (see the module's docstring). Each delete
+        is conditional on the key as read; a store that fails stops the
+        removals until the next read. `listing` without the ghosts, whether
+        removed or written again meanwhile: what their names hold now is
+        not what was read (a session of this replica's under one of them is
+        then missing, and written again)."""
+        if not lease or lease != self._lease:
+            return listing
+        # Judged at once after the read, with no wait between: a session
+        # named since holds a key written after the read, which the
+        # conditional delete leaves.
+        ghosts = [kv for kv in listing.items if kv.lease == lease and not self._holds(kv)]
+        if not ghosts:
+            return listing
+        for kv in ghosts:
+            try:
+                removed = await self._catalog.remove_key(kv)
+            except Unavailable as exc:
+                log.debug("stale registrations not removed yet: %s", exc)
+                break
+            if removed:
+                record = record_of(kv)
+                log.warning(
+                    "proxy %s was registered under this replica's lease %x, with no "
+                    "session here (session %s: gone before etcd was restored from a "
+                    "snapshot?); its registration is removed",
+                    kv.key[len(PROXIES) :],
+                    lease,
+                    "undecodable" if record is None else record.session_id,
+                )
+        return Listing(listing.revision, tuple(kv for kv in listing.items if kv not in ghosts))
+
+    def _holds(self, kv: KeyValue) -> bool:
+        """Whether a proxy's key holds a session of this replica's: registered,
+        being registered (its key is written before the session is this
+        replica's), or being removed. Decoded only when it is not a session's
+        own write (a fleet's reload reads the registrations several times a
+        second; revisions do not go back: RebasedStore numbers a restored
+        key above every revision handed out before)."""
+        held = self._by_name.get(kv.key[len(PROXIES) :])
+        if held is not None and 0 < kv.mod_revision <= self._written.get(held, 0):
+            return True  # its write, or a read from before it
+        record = record_of(kv)
+        if record is None:
+            return False
+        sid = record.session_id
+        return sid in self.sessions or sid in self._unstreamed or sid in self._removing
 
     def _missing(self, listing: Listing, lease: int, before: dict[str, int]) -> dict[str, str]:
         """This replica's proxies whose key `listing` (of PROXIES) does not
