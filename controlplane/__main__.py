@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from ponto.grpclog import quiet_import
@@ -12,6 +13,7 @@ quiet_import("ERROR")
 
 import uvloop
 
+from controlplane import audit
 from controlplane.app import serve
 from controlplane.settings import parse
 from ponto.logs import setup_logging
@@ -20,6 +22,9 @@ from ponto.logs import setup_logging
 def main(argv: list[str] | None = None) -> int:
     settings = parse(sys.argv[1:] if argv is None else argv)
     setup_logging(settings.log_level)
+    # Admin actions are few, and their lines may be all that is left of them
+    # after an etcd restore (controlplane.audit): kept at any --log-level.
+    audit.LINES.setLevel(logging.INFO)
     return uvloop.run(serve(settings))
 
 

@@ -20,13 +20,25 @@ oldest beyond the count. Both are deletes of the far end of the range that depen
 only on what the store holds, so two replicas trimming at once during a leader
 handover delete no more than one would.
 
-When an entry cannot be written, the call's answer stands and the entry is
-logged whole, once, at WARNING. The entry is written after the change, which
-cannot be taken back by then: failing the call would tell the operator that a
-change that was made was not, and the retry would make it twice. The trail
-shares etcd with the state it audits, so while etcd is down the change itself
-fails; an entry is missing from the trail only when etcd fails between a change
-and its entry, and the control plane's log holds it then.
+Every entry is also written to the control plane's log, before the store:
+one INFO line of logger `ponto.audit` (LINES), its fields those of `pontoctl
+get audit -o json` (time in RFC 3339 UTC to the millisecond), as cut for the
+store. The trail lives in etcd alone otherwise, and a restore from a snapshot
+takes back every entry written since, with the revocations and suspensions
+they record (trial 73: an SRE could not tell which leaked keys to revoke
+again); logs shipped off the machine survive that. An entry holds no secret
+(a key's secret is in CreateKey's answer only; an origin's URL is redacted),
+so neither does its line. `ponto-control` keeps the logger at INFO whatever
+its --log-level.
+
+When an entry cannot be written, the call's answer stands and a WARNING says
+so (the line of `ponto.audit` before it holds the entry). The entry is written
+after the change, which cannot be taken back by then: failing the call would
+tell the operator that a change that was made was not, and the retry would
+make it twice. The trail shares etcd with the state it audits, so while etcd
+is down the change itself fails; an entry is missing from the trail only when
+etcd fails between a change and its entry, and the control plane's log holds
+it then.
 """
 
 from __future__ import annotations
@@ -45,8 +57,11 @@ from etcd3aio import prefix_range_end
 from controlplane.errors import Unavailable
 from controlplane.rounds import Defects
 from controlplane.store import StateStore, StoreError, StoreUnavailable
+from ponto.times import utc_ms
 
 log = logging.getLogger(__name__)
+# Each entry, one line (see the module docstring).
+LINES: Final = logging.getLogger("ponto.audit")
 
 PREFIX: Final = "/ponto/audit/"
 _END: Final = prefix_range_end(PREFIX).decode()
@@ -141,6 +156,14 @@ def _bounded(entry: AuditEntry) -> bytes:
         most, keys = max(1, most // 2), keys // 2
 
 
+def _line(value: bytes) -> str:
+    """An entry's log line: its stored JSON (`value`, as _bounded cut it),
+    its time as `get audit -o json` writes it."""
+    raw = orjson.loads(value)
+    raw["time"] = utc_ms(raw["time"])
+    return orjson.dumps(raw).decode()
+
+
 def _decode(value: bytes) -> AuditEntry:
     raw = orjson.loads(value)
     if not isinstance(raw, dict):
@@ -201,11 +224,19 @@ class AuditLog:
             replica=self._replica,
         )
         value = _bounded(entry)
+        LINES.info("%s", _line(value))
         key = f"{_time_key(entry.time)}-{uuid.uuid4().hex[:8]}"
         try:
             await self._store.put(key, value)
         except StoreError as exc:
-            log.warning("audit entry not stored (%s): %s", exc, value.decode())
+            log.warning(
+                "audit entry not stored (%s); the control plane's log holds it "
+                "(ponto.audit): %s %s at %s",
+                exc,
+                entry.action,
+                entry.target,
+                utc_ms(entry.time),
+            )
 
     async def read(
         self, *, limit: int = 100, action: str = "", actor: str = "", since: float = 0.0

@@ -90,7 +90,7 @@ from ponto import grpcconn as conn
 from ponto import linkadvice
 from ponto.apikeys import key_expired
 from ponto.cliargs import finite_float
-from ponto.times import utc
+from ponto.times import utc, utc_ms
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -1517,11 +1517,7 @@ def _audit_times(data: dict[str, Any]) -> dict[str, Any]:
     for entry in data.get("entries", ()):
         when = entry.get("time")
         if isinstance(when, int | float):
-            entry["time"] = (
-                datetime.datetime.fromtimestamp(when, datetime.UTC)
-                .isoformat(timespec="milliseconds")
-                .replace("+00:00", "Z")
-            )
+            entry["time"] = utc_ms(when)
     return data
 
 

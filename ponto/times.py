@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 
@@ -12,3 +13,11 @@ def utc(t: float) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
     except (OverflowError, OSError, ValueError):
         return repr(t)
+
+
+def utc_ms(t: float) -> str:
+    """Unix seconds as RFC 3339 UTC to the millisecond
+    (2026-12-04T11:02:08.421Z), as the access log writes its times and
+    `pontoctl get audit -o json` and the audit trail's log lines theirs."""
+    when = datetime.datetime.fromtimestamp(t, datetime.UTC)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -30,6 +30,7 @@ from controlplane.model import Limits, Origin, PromptPolicy, Tenant, encode
 from controlplane.settings import parse
 from controlplane.store import StateStore
 from controlplane.store.memory import MemoryStore
+from ponto.times import utc_ms
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
@@ -167,12 +168,18 @@ async def test_a_store_failure_logs_the_entry_once_and_does_not_raise(
     log: AuditLog, store: MemoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     store.available = False
-    with caplog.at_level(logging.WARNING, logger="controlplane.audit"):
+    with caplog.at_level(logging.INFO, logger="ponto.audit"):
         await log.record(actor="admin-token", action="DrainRegion", target="region/eu", source="s")
     (line,) = [r for r in caplog.records if r.name == "controlplane.audit"]
     assert line.levelno == logging.WARNING and line.exc_info is None
-    assert "audit entry not stored" in line.getMessage()
-    assert '"target":"region/eu"' in line.getMessage()
+    assert line.getMessage().startswith("audit entry not stored (")
+    assert line.getMessage().endswith(
+        "the control plane's log holds it (ponto.audit): "
+        "DrainRegion region/eu at 2027-01-15T08:00:00.000Z"
+    )
+    # The entry whole, once: the line every entry has.
+    (whole,) = [r for r in caplog.records if r.name == "ponto.audit"]
+    assert orjson.loads(whole.getMessage())["target"] == "region/eu"
     store.available = True
     assert await log.read() == []
 
@@ -405,6 +412,51 @@ async def test_mutating_calls_are_recorded_ok_or_refused_reads_are_not(
     assert refusal.detail == {"cache": '{"mode": "bogus"}'} and "bogus" in refusal.message
     assert by_action["CreateKey", f"key/{created.key.id}"].detail["description"] == "ci"
     assert by_action["Apply", "topology"].detail == {"prune": "false", "created": "tenant/beta"}
+
+
+async def test_every_entry_is_a_line_of_the_log_as_get_audit_says_it(
+    store: MemoryStore, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 73: the trail lives in etcd alone, and a restore from a snapshot
+    took back the revocations and suspensions made since with their entries.
+    Each entry is also one INFO line of `ponto.audit`, with the fields of
+    `get audit -o json`; never a key's secret or the admin token."""
+    clock.step = 0.001
+    with caplog.at_level(logging.INFO, logger="ponto.audit"):
+        async with admin_server(store, clock) as stub:
+            await stub.PutTenant(apb.PutTenantRequest(tenant=pb.Tenant(name="acme")))
+            created = await stub.CreateKey(apb.CreateKeyRequest(tenant="acme", description="ci"))
+            await stub.SetKeySuspended(
+                apb.SetKeySuspendedRequest(id=created.key.id, suspended=True, reason="leaked")
+            )
+            await stub.RevokeKey(apb.KeyRequest(id=created.key.id))
+            refused = stub.RevokeKey(apb.KeyRequest(id="nope"))
+            assert await code_of(refused) == grpc.StatusCode.NOT_FOUND
+            entries = list(reversed((await stub.ListAudit(apb.ListAuditRequest())).entries))
+    lines = [r for r in caplog.records if r.name == "ponto.audit"]
+    assert [r.levelno for r in lines] == [logging.INFO] * len(entries) == [logging.INFO] * 5
+    for line, entry in zip(lines, entries, strict=True):
+        assert orjson.loads(line.getMessage()) == {
+            "time": utc_ms(entry.time),
+            "actor": entry.actor,
+            "action": entry.action,
+            "target": entry.target,
+            "source": entry.source,
+            "result": entry.result,
+            "message": entry.message,
+            "detail": dict(entry.detail),
+            "replica": entry.replica,
+        }
+        assert "\n" not in line.getMessage()
+        assert created.secret not in line.getMessage() and ADMIN not in line.getMessage()
+    assert [orjson.loads(r.getMessage())["action"] for r in lines] == [
+        "PutTenant",
+        "CreateKey",
+        "SuspendKey",
+        "RevokeKey",
+        "RevokeKey",
+    ]
+    assert orjson.loads(lines[2].getMessage())["detail"]["reason"] == "leaked"
 
 
 async def test_a_tenant_update_and_new_key_limits_record_the_values_they_replaced(
