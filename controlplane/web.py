@@ -36,6 +36,19 @@ refusal log (once, INFO, rate-limited), those of aiohttp's parser included
 carries `x-request-id`, a 405 `Allow`. Proxies and their traffic are read
 from etcd, regions and origins taken from the table the replica compiled
 from it, so the page of any replica shows the whole fleet.
+
+While etcd does not answer, `/api/status` still answers 200 with what the
+replica holds in memory: regions, origins, their health, load and drains,
+and the suspensions, all of its latest table (trial 73: the page went dark,
+a 503, though those were known). `state_store` says the store is
+unavailable (`available` false, its `error`, `since` when, by this
+replica's clock, its reads began to fail); what only etcd holds is null,
+unknown rather than empty: `proxies`, `replicas`, `leader`, `tenants` (the
+proxies' reports) and each region's proxies and rates. Not a 503: the
+answer is the page's, which has something to show; nothing probes it (the
+chart's probes are gRPC health, whose `ponto.store` service says whether
+etcd answers), and a client that wants the store's state reads
+`state_store.available`.
 """
 
 from __future__ import annotations
@@ -249,6 +262,12 @@ class StatusWeb:
         self._ids = RequestIds()
         self._unavailable: OrderedDict[tuple[str, str, str], Throttled] = OrderedDict()
         self._cached: tuple[float, bytes] = (float("-inf"), b"")
+        # Since when (Unix time) the status's reads of etcd fail; None while
+        # they work. Logged when they start failing, throttled while they do.
+        self._store_away_since: float | None = None
+        self._store_away_line = Throttled(
+            log, every_s=UNAVAILABLE_LOG_EVERY_S, clock=self._monotonic
+        )
         self._building: asyncio.Task[bytes] | None = None
 
     @property
@@ -389,9 +408,16 @@ class StatusWeb:
         requests the proxies' rate limits refused or held for a slot over the
         rates' window (`_tenant_row`), and what is suspended in the state that
         table was compiled from (controlplane.suspensions). Reading the
-        proxies is a sample of their reports too (`sample`)."""
-        proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
-        replicas, leader = await self._catalog.list_replicas()
+        proxies is a sample of their reports too (`sample`). With etcd not
+        answering, what it alone holds is None (see the module docstring)."""
+        try:
+            proxies = sorted(await self._catalog.list_proxies(), key=lambda p: p.name)
+            replicas, leader = await self._catalog.list_replicas()
+        except Unavailable as exc:
+            return self._without_store(now, str(exc))
+        if self._store_away_since is not None:
+            log.info("status page: the state store answers again")
+            self._store_away_since = None
         replica_ids = {str(r.get("id", "")) for r in replicas}
         by_id = {str(r.get("id", "")): r for r in replicas}
         silences = self._catalog.replica_beats.silences()
@@ -463,6 +489,55 @@ class StatusWeb:
             # Whose callers the proxies refuse (403): during an incident, a
             # tenant's traffic that vanished may be an operator's doing.
             "suspended": status_rows(self._suspensions(), now),
+            "state_store": {"available": True, "error": "", "since": None},
+        }
+
+    def _without_store(self, now: float, error: str) -> dict[str, Any]:
+        """The status at `now` while etcd does not answer (`error`): what the
+        latest table holds, and None for what only etcd does. The rates'
+        meters are left as they are (fed nothing, they would forget every
+        proxy's counters and measure from scratch once etcd is back)."""
+        if self._store_away_since is None:
+            self._store_away_since = now
+        self._store_away_line.log(
+            logging.WARNING,
+            "status page: %s; showing the latest table's regions, origins and "
+            "suspensions, proxies and replicas unknown",
+            error,
+        )
+        latest = self._publisher.latest
+        table = latest.table if latest else pb.RouteTable()
+        scraped = self._loads()
+        loads = {load.origin: load for load in scraped.loads} if scraped else {}
+        origins: dict[str, list[pb.Origin]] = {}
+        for o in table.origins:
+            origins.setdefault(o.region, []).append(o)
+        regions = []
+        for r in table.regions:
+            row = _region_row(r, origins.get(r.name, []), loads, None, None, 0)
+            row["proxies"] = None  # unknown, not none
+            regions.append(row)
+        return {
+            "replica": self._replica_id,
+            "leader": None,
+            "replicas": None,
+            "latest_version": latest.version if latest else 0,
+            "writes": self.writes,
+            "writes_off": self._writes_off,
+            "now": now,
+            "rates_window_s": self._stale_after,
+            "regions": regions,
+            "proxies": None,
+            "departed": [],
+            # The proxies' own warnings are in their registrations: unknown.
+            "fleet_warnings": list(
+                origin_warnings(
+                    (o.name, o.server_kind) for o in table.origins if not o.no_continuation
+                )
+            ),
+            "tenants": None,
+            "suspended": status_rows(self._suspensions(), now),
+            "state_store": {"available": False, "error": error, "since": self._store_away_since},
         }
 
     async def sample(self, now: float) -> None:

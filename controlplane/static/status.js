@@ -134,7 +134,7 @@ function renderMarkers(regions) {
       el("svg:text", { class: "rate", x: x + 4.2, y: y + 7 },
         "served ", regionRate(r.served_per_s, true), " req/s · ",
         regionRate(r.served_errors_per_s, true), " err/s"),
-      r.proxies
+      r.proxies // 0: none there; null: not known (the state store is unavailable)
         ? el("svg:text", { class: "rate", x: x + 4.2, y: y + 12.2 },
           "arrived ", regionRate(r.requests_per_s, true), " req/s")
         : null);
@@ -215,11 +215,13 @@ function renderRegions(regions, departed) {
         "served ", regionRate(r.served_per_s), " req/s · ", regionRate(r.served_errors_per_s),
         " errors/s"),
       el("p", { class: "rates", title: "requests that arrived at this region's proxies" },
-        ...(r.proxies
-          ? ["arrived ", regionRate(r.requests_per_s), " req/s · ",
-            regionRate(r.server_errors_per_s), " 5xx/s · ", regionRate(r.client_errors_per_s),
-            ` 4xx/s at ${r.proxies} prox${r.proxies === 1 ? "y" : "ies"}`]
-          : [departedIn(departed, r.name)])),
+        ...(r.proxies === null
+          ? [STORE_AWAY_PROXIES]
+          : r.proxies
+            ? ["arrived ", regionRate(r.requests_per_s), " req/s · ",
+              regionRate(r.server_errors_per_s), " 5xx/s · ", regionRate(r.client_errors_per_s),
+              ` 4xx/s at ${r.proxies} prox${r.proxies === 1 ? "y" : "ies"}`]
+            : [departedIn(departed, r.name)])),
       el("p", { class: "where" },
         `load: ${r.load === null ? "n/a (no capacity set)" : percent(r.load)}`
           + ` · at ${r.latitude.toFixed(1)}°, ${r.longitude.toFixed(1)}°`),
@@ -231,7 +233,20 @@ function renderRegions(regions, departed) {
   document.getElementById("regions").replaceChildren(...cards);
 }
 
+// What stands for the proxies, their rates and the replicas while etcd, which
+// alone holds them, does not answer (state_store.available false: they are
+// null, not none).
+const STORE_AWAY_PROXIES = "proxies and their rates not known: the state store is unavailable";
+
 function renderProxies(proxies, departed) {
+  if (proxies === null) {
+    const unknown = el("tr", { class: "unknown" },
+      el("td", { colspan: 8, class: "none" },
+        "Not known while the state store is unavailable: the registrations are in it. "
+        + "The proxies keep serving their last tables."));
+    document.querySelector("#proxies tbody").replaceChildren(unknown);
+    return;
+  }
   const left = departed.map((p) => el("tr", { "data-proxy": p.name, class: "departed" },
     el("td", {}, p.name),
     el("td", {}, p.region),
@@ -287,6 +302,12 @@ function tenantLimits(t) {
 }
 
 function renderLimits(tenants) {
+  document.getElementById("limits-unknown").hidden = tenants !== null;
+  if (tenants === null) { // not known: the state store is unavailable
+    document.getElementById("limits").hidden = true;
+    document.getElementById("limits-none").hidden = true;
+    return;
+  }
   const rows = tenants.map((t) => el("tr", { "data-tenant": t.name },
     el("td", {}, t.name),
     limitCell(t.refused_per_s, { class: t.refused_per_s ? "refused" : "" }),
@@ -351,10 +372,26 @@ function renderSuspended(suspended, now) {
   document.getElementById("suspended-section").hidden = !rows.length && !more.length;
 }
 
+// The banner while etcd does not answer: what the page still shows is this
+// replica's latest table (trial 73: the page had gone blank).
+function renderStore(store, status) {
+  const banner = document.getElementById("store");
+  const away = Boolean(store) && store.available === false;
+  banner.hidden = !away;
+  if (!away) return;
+  const since = store.since ? ` since ${utc(store.since)} (${age(Math.max(0, status.now - store.since))})` : "";
+  banner.textContent = `The state store (etcd) is unavailable${since}: regions, origins, health, `
+    + `drains and suspensions below are this replica's latest table (version ${status.latest_version}); `
+    + "proxies, replicas, the leader and rates are not known, and drains cannot be written. "
+    + `(${store.error})`;
+}
+
 function render(status) {
   writes = status.writes;
+  renderStore(status.state_store, status);
   document.getElementById("replica").textContent = status.replica;
-  document.getElementById("leader").textContent = status.leader || "(election)";
+  document.getElementById("leader").textContent = status.leader === null
+    ? "not known" : status.leader || "(election)";
   document.getElementById("latest").textContent = String(status.latest_version);
   document.getElementById("updated").textContent = new Date(status.now * 1000).toLocaleTimeString();
   const note = document.getElementById("writes");
@@ -368,7 +405,7 @@ function render(status) {
   renderRegions(status.regions, status.departed || []);
   renderProxies(status.proxies, status.departed || []);
   renderFleetWarnings(status.fleet_warnings || []);
-  renderLimits(status.tenants || []);
+  renderLimits(status.tenants === undefined ? [] : status.tenants);
   // None from a replica older than the section.
   renderSuspended(status.suspended || {}, status.now);
   // The rates' window: three of the replicas' report writes (--traffic-interval-ms).

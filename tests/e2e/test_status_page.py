@@ -914,3 +914,43 @@ def test_a_tenant_suspended_by_pontoctl_shows_on_the_page(
     finally:
         fleet.admin().DeleteTenant(apb.DeleteRequest(name="acme"), timeout=10)
     capsys.readouterr()
+
+
+def test_with_etcd_away_the_page_shows_the_latest_table_and_says_so(
+    page: webdriver.Chrome, system: StatusFleet
+) -> None:
+    """Trial 73: with etcd down the page showed nothing (/api/status answered
+    503) though the replica held its latest table. Regions, origins and
+    their health stay on the page under a banner that says the store is
+    unavailable, and the proxies are said to be not known (not none); all
+    back when etcd is."""
+    fleet = system.fleet
+    assert fleet.etcd is not None
+    banner = page.find_element(By.ID, "store")
+    assert not banner.is_displayed()
+    fleet.etcd.stop()
+    try:
+        wait(page, lambda _: banner.is_displayed(), "no banner with etcd stopped")
+        assert banner.text.startswith("The state store (etcd) is unavailable since ")
+        assert "proxies, replicas, the leader and rates are not known" in banner.text
+        shown = page.execute_script(
+            "return [Array.from(document.querySelectorAll('article.region'),"
+            " (a) => a.dataset.region).sort(),"
+            " document.querySelector('#proxies tbody').textContent,"
+            " document.getElementById('leader').textContent,"
+            " document.querySelector('article.region .rates').textContent,"
+            " document.getElementById('message').hidden];"
+        )
+        assert shown[0] == ["ap-southeast", "eu-west", "us-east"]
+        assert shown[1].startswith("Not known while the state store is unavailable")
+        assert shown[2] == "not known"
+        assert shown[3] == "proxies and their rates not known: the state store is unavailable"
+        assert shown[4]  # the status was read: no "Cannot read the status"
+    finally:
+        fleet.start_etcd()
+    wait(page, lambda _: not banner.is_displayed(), "the banner stayed with etcd back")
+    wait(
+        page,
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#proxies tbody tr[data-proxy]")) == 2,
+        "the proxies not listed again",
+    )

@@ -773,15 +773,18 @@ async def test_a_store_outage_is_a_503_and_a_bug_a_500_both_in_json(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    async def away() -> None:
+    """A drain while etcd is away is a 503 (the status itself still answers,
+    from the latest table: test_with_the_store_away_...)."""
+
+    async def away(*_: object, **__: object) -> None:
         raise Unavailable("state store unavailable: etcd is away")
 
     async def broken() -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(plane.catalog, "list_proxies", away)
+    monkeypatch.setattr(plane.catalog, "drain_region", away)
     caplog.set_level(logging.WARNING)
-    resp = await client.get("/api/status")
+    resp = await client.post("/api/regions/eu-west/drain", headers=AUTH)
     assert resp.status == 503
     assert_error(await resp.json(), "unavailable")
     monkeypatch.setattr(plane.catalog, "list_proxies", broken)
@@ -1452,25 +1455,78 @@ async def test_a_store_outage_is_logged_once_per_interval_however_often_the_page
 ) -> None:
     """Trial: each poll of the page during a store outage logged a WARNING,
     one per poll per viewer. One line per UNAVAILABLE_LOG_EVERY_S, the next
-    saying how many were not logged."""
+    saying how many were not logged; one when the store answers again."""
 
     async def away() -> None:
         raise Unavailable("state store unavailable: etcd is away")
 
     monkeypatch.setattr(plane.catalog, "list_proxies", away)
     ticks = Clock(0.0)
-    caplog.set_level(logging.WARNING, "controlplane.web")
+    caplog.set_level(logging.INFO, "controlplane.web")
     async with TestClient(TestServer(web_of(plane, monotonic=ticks).app())) as client:
         for _ in range(5):
-            assert (await client.get("/api/status")).status == 503
+            assert (await client.get("/api/status")).status == 200
             ticks.now += 1.0
+            plane.clock.now += 1.0  # past the status's cache
         ticks.now = UNAVAILABLE_LOG_EVERY_S + 0.5
-        assert (await client.get("/api/status")).status == 503
+        assert (await client.get("/api/status")).status == 200
+        monkeypatch.undo()
+        plane.clock.now += 1.0
+        assert (await client.get("/api/status")).status == 200
     lines = [r.getMessage() for r in caplog.records if r.name == "controlplane.web"]
+    said = (
+        "status page: state store unavailable: etcd is away; showing the latest table's "
+        "regions, origins and suspensions, proxies and replicas unknown"
+    )
     assert lines == [
-        "GET /api/status: state store unavailable: etcd is away",
-        "GET /api/status: state store unavailable: etcd is away (4 more not logged)",
+        said,
+        f"{said} (4 more not logged)",
+        "status page: the state store answers again",
     ]
+
+
+async def test_with_the_store_away_the_status_shows_the_latest_table(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trial 73: during an etcd outage /api/status answered 503 and the page
+    showed nothing, though the replica held its latest table. It shows the
+    table's regions, origins, health and suspensions, says the store is
+    unavailable since when, and has null (not known, not none) for what
+    etcd alone holds: proxies, replicas, the leader, rates."""
+    suspended = {"tenants": [{"name": "acme", "reason": "unpaid", "since": 5.0}]}
+    web = web_of(plane, suspensions=lambda: None)
+    monkeypatch.setattr("controlplane.web.status_rows", lambda _s, _now: suspended)
+    before = await web.status(1_000.0)
+    assert before["state_store"] == {"available": True, "error": "", "since": None}
+
+    async def away() -> None:
+        raise Unavailable("state store unavailable: etcd is away")
+
+    monkeypatch.setattr(plane.catalog, "list_replicas", away)
+    status = await web.status(1_010.0)
+    assert status["state_store"] == {
+        "available": False,
+        "error": "state store unavailable: etcd is away",
+        "since": 1_010.0,
+    }
+    assert (await web.status(1_020.0))["state_store"]["since"] == 1_010.0
+    assert status["latest_version"] == 7 and status["suspended"] == suspended
+    assert status["proxies"] is status["replicas"] is status["leader"] is None
+    assert status["tenants"] is None
+    regions = {r["name"]: r for r in status["regions"]}
+    assert regions.keys() == {"eu-west", "us-east"}
+    for region in regions.values():
+        assert region["proxies"] is None
+        assert region["requests_per_s"] is region["served_per_s"] is None
+    # The table's regions and origins as before the outage.
+    known = {r["name"]: r for r in before["regions"]}
+    assert regions["eu-west"]["origins"] == known["eu-west"]["origins"]
+    assert regions["eu-west"]["load"] == pytest.approx(0.4)
+    (us_origin,) = regions["us-east"]["origins"]
+    assert not us_origin["healthy"] and us_origin["detail"] == "connection refused"
+    monkeypatch.undo()
+    after = await web.status(1_030.0)
+    assert after["state_store"]["available"] and len(after["proxies"]) == 2
 
 
 @pytest.mark.parametrize(("traffic_every", "stale"), [(30.0, True), (40.0, False)])
