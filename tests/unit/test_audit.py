@@ -8,6 +8,8 @@ import contextlib
 import logging
 import math
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
@@ -457,6 +459,34 @@ async def test_every_entry_is_a_line_of_the_log_as_get_audit_says_it(
         "RevokeKey",
     ]
     assert orjson.loads(lines[2].getMessage())["detail"]["reason"] == "leaked"
+
+
+KEPT_AT_ANY_LEVEL = """
+import logging, sys
+import controlplane.__main__ as entry
+
+def run(coro):
+    coro.close()
+    logging.getLogger("ponto.audit").info("an entry")
+    logging.getLogger("controlplane.app").info("not shown")
+    return 0
+
+entry.uvloop.run = run
+sys.exit(entry.main(["--log-level", "WARNING"]))
+"""
+
+
+def test_ponto_control_writes_the_audit_lines_whatever_its_log_level() -> None:
+    """They may be all that is left of an admin action after an etcd restore."""
+    run = subprocess.run(
+        [sys.executable, "-c", KEPT_AT_ANY_LEVEL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert " INFO ponto.audit: an entry" in run.stderr
+    assert "not shown" not in run.stderr
 
 
 async def test_a_tenant_update_and_new_key_limits_record_the_values_they_replaced(
