@@ -8,15 +8,15 @@ replaced by a new id, and the client's is neither echoed nor forwarded.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Mapping
-from hashlib import blake2b
 from typing import Final
 
 __all__ = ["MAX_CLIENT_ID", "RequestIds", "accepted_client_id", "origin_request_id"]
 
 MAX_CLIENT_ID: Final = 128
+# New ids drawn per system call (RequestIds): 2 KB of os.urandom.
+BATCH: Final = 256
 
 
 def accepted_client_id(value: str | None) -> str | None:
@@ -45,30 +45,35 @@ class RequestIds:
     """New ids: 32 hex digits, unique across processes and restarts, that
     say nothing of the proxy's traffic.
 
-    A random 64-bit prefix per instance, then a keyed hash (BLAKE2b, a key of
-    the instance's) of a counter: no system call per request (os.urandom
-    would make one), two proxies, workers or restarts share a prefix with
-    probability 2**-64, and an instance's ids collide with probability
-    n**2 / 2**65 after n of them. The counter itself was the id's tail: any
-    client, a key or none, read how many requests of every tenant a proxy
-    had answered between two of its own (trial 62). One instance per app: a
-    module global would be copied into every worker started from this
-    process.
+    A random 64-bit prefix per instance, then 64 random bits per id, drawn
+    from os.urandom BATCH ids at a time: one system call per BATCH requests
+    (one per id would cost each request one), two proxies, workers or
+    restarts share a prefix with probability 2**-64, and an instance's ids
+    collide with probability n**2 / 2**65 after n of them. A counter as the
+    id's tail let any client, a key or none, read how many requests of every
+    tenant a proxy had answered between two of its own (trial 62); random
+    tails say nothing of it. (A keyed BLAKE2b of a counter did the same at
+    some 6,000 instructions an id, 0.8 % of a proxied request's:
+    bench/instructions.py.) One instance per app: a module global would be
+    copied into every worker started from this process.
     """
 
-    __slots__ = ("_count", "_keyed", "_prefix")
+    __slots__ = ("_made", "_prefix")
 
     def __init__(self) -> None:
         self._prefix = os.urandom(8).hex()
-        # Keyed once: a copy starts from the key's block already compressed,
-        # where a new keyed hash compresses it again for every id.
-        self._keyed = blake2b(key=os.urandom(16), digest_size=8)
-        self._count = itertools.count(1)
+        self._made: list[str] = []  # ids drawn and not handed out yet
 
     def next(self) -> str:
-        tail = self._keyed.copy()
-        tail.update(next(self._count).to_bytes(8, "little"))
-        return self._prefix + tail.hexdigest()
+        made = self._made
+        if not made:
+            made = self._made = self._draw()
+        return made.pop()
+
+    def _draw(self) -> list[str]:
+        tails = os.urandom(8 * BATCH).hex()
+        prefix = self._prefix
+        return [prefix + tails[i : i + 16] for i in range(0, 16 * BATCH, 16)]
 
     def of(self, client_id: str | None) -> str:
         """The id of a request that came with `client_id` (the header's value)."""
