@@ -11,7 +11,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS
 
@@ -205,6 +205,25 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# What `decide` answers, made once, and the modes it reads, as module names:
+# on Python 3.11 a frozen dataclass costs some 7,000 instructions to build and
+# an enum member read through its class some 1,000 (EnumType has a
+# __getattr__, so the lookup is never specialised), together 1.5 % of a
+# proxied request's (bench/instructions.py).
+_OFF, _SEMANTIC = CacheMode.OFF, CacheMode.SEMANTIC
+DISABLED: Final = Decision(False, False, Reason.DISABLED)
+NOT_AN_ENDPOINT: Final = Decision(False, False, Reason.ENDPOINT)
+NOT_STORED: Final = Decision(False, False, Reason.NO_STORE)
+SAMPLED: Final = Decision(False, False, Reason.NONDETERMINISTIC)
+STORED_ONLY: Final = Decision(False, True, Reason.NO_CACHE)
+CACHEABLE: Final = Decision(True, True, Reason.CACHEABLE)
+EXACT_ONLY: Final = Decision(True, True, Reason.TOOLS)
+SEMANTIC: Final = Decision(True, True, Reason.CACHEABLE, semantic=True)
+# The cache step's own, for a request it cannot key.
+TOO_LARGE_TO_KEY: Final = Decision(False, False, Reason.TOO_LARGE)
+UNKEYABLE: Final = Decision(False, False, Reason.UNKEYABLE)
+
+
 def decide(
     policy: TenantCachePolicy,
     endpoint: str,
@@ -212,21 +231,21 @@ def decide(
     cache_control: RequestCacheControl,
 ) -> Decision:
     """What the cache may do for one request. Pure; cheap (reads a few fields)."""
-    if policy.mode is CacheMode.OFF:
-        return Decision(False, False, Reason.DISABLED)
+    if policy.mode is _OFF:
+        return DISABLED
     if endpoint not in CACHEABLE_ENDPOINTS:
-        return Decision(False, False, Reason.ENDPOINT)
+        return NOT_AN_ENDPOINT
     if cache_control.no_store:
-        return Decision(False, False, Reason.NO_STORE)
+        return NOT_STORED
     if not (policy.cache_nondeterministic or is_deterministic(endpoint, body)):
-        return Decision(False, False, Reason.NONDETERMINISTIC)
+        return SAMPLED
     if cache_control.no_cache:
-        return Decision(False, True, Reason.NO_CACHE)
-    if policy.mode is not CacheMode.SEMANTIC or endpoint != CHAT:
-        return Decision(True, True, Reason.CACHEABLE)
+        return STORED_ONLY
+    if policy.mode is not _SEMANTIC or endpoint != CHAT:
+        return CACHEABLE
     if offers_tools(body):
-        return Decision(True, True, Reason.TOOLS)
-    return Decision(True, True, Reason.CACHEABLE, semantic=True)
+        return EXACT_ONLY
+    return SEMANTIC
 
 
 def offers_tools(body: Mapping[str, Any]) -> bool:

@@ -74,7 +74,14 @@ from dataplane.cache.keys import (
     last_user_text,
     without_text,
 )
-from dataplane.cache.policy import CacheMode, Decision, Reason, RequestCacheControl, decide
+from dataplane.cache.policy import (
+    TOO_LARGE_TO_KEY,
+    UNKEYABLE,
+    CacheMode,
+    Reason,
+    RequestCacheControl,
+    decide,
+)
 from dataplane.cache.regionstore import RegionalStore, RegionLock
 from dataplane.cache.store import UNANSWERED, ExactStore, Found
 from dataplane.metrics import Metrics
@@ -110,6 +117,9 @@ FORESEEN: Final = frozenset({TOO_LARGE, TRUNCATED})
 # Keys of streams not kept for those reasons, per process: a dict of this
 # many keys (some 100 bytes each), the oldest forgotten first.
 MAX_FORESEEN_KEYS: Final = 4096
+# Read on every request: an enum member read through its class costs some
+# 1,000 instructions on Python 3.11 (see dataplane.cache.policy.decide).
+_TOOLS: Final = Reason.TOOLS
 
 
 class SemanticLayer(Protocol):
@@ -223,7 +233,7 @@ class CachePlan:
     def said_reason(self) -> str:
         """The access log's cache_reason: why a bypass, or a miss, or why the
         miss's answer is not kept ("")."""
-        if self.unkept and self.reason == Reason.TOOLS:
+        if self.unkept and self.reason == _TOOLS:
             # An answer not kept misses every repeat, exact ones too: that
             # says more than "matched exactly only".
             return UNKEPT_SAID.get(self.unkept, self.unkept)
@@ -235,7 +245,7 @@ class CachePlan:
         out before its answer is known) why its key's last answer was not
         kept (trial: a repeat of a stream too large to keep was a plain miss)."""
         said = self.said_reason
-        if self.foreseen and (not said or (self.reason == Reason.TOOLS and not self.unkept)):
+        if self.foreseen and (not said or (self.reason == _TOOLS and not self.unkept)):
             # As for an answer not kept: the repeats of this key miss too.
             return UNKEPT_SAID.get(self.foreseen, self.foreseen)
         return said
@@ -365,12 +375,12 @@ class EdgeCache:
         model = req.body["model"]
         key = ""
         if (decision.lookup or decision.store) and not req.keyable:
-            decision = Decision(False, False, Reason.TOO_LARGE)
+            decision = TOO_LARGE_TO_KEY
         if decision.lookup or decision.store:
             try:
                 key = self._key(req)
             except UncacheableRequest:
-                decision = Decision(False, False, Reason.UNKEYABLE)
+                decision = UNKEYABLE
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason)
             return CachePlan("bypass", reason=decision.reason.value, not_cached=cc.only_if_cached)
@@ -387,7 +397,7 @@ class EdgeCache:
         neighbour: tuple[SemanticHit, CachedResponse] | None = None
         # Why this request misses, when an entry was there but could not
         # answer, or when a semantic tenant's request was matched exactly only.
-        miss = decision.reason.value if decision.reason is Reason.TOOLS else ""
+        miss = decision.reason.value if decision.reason is _TOOLS else ""
         if decision.lookup:
             hit = await self.store.lookup(key, tenant=tenant, model=model)
             if isinstance(hit, Found) and self._accepts(cc, hit, policy.ttl_s):
