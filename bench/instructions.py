@@ -84,12 +84,15 @@ from bench.compare import (
     configure_ponto_features,
 )
 from bench.procs import affinity, cpus_available, pin_tree
+from dataplane.http.edge import EdgeLimits
 from ponto.devenv import Managed, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
 
 TARGETS = ("passthrough", "defaults", "features")
 READY_S = 300.0  # a start-up under valgrind (imports, gRPC, the first table)
 REQUEST_S = 120.0  # one request under valgrind, the first ones uninstrumented JIT
+# The proxy closes a connection idle this long: the client's waits out --idle.
+KEEPALIVE_S = EdgeLimits().keepalive_timeout
 
 
 @dataclass
@@ -313,12 +316,20 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, in this order of start: {', '.join(TARGETS)}",
     )
     parser.add_argument(
-        "--idle", type=float, default=10.0, help="seconds counted idle first (0: no correction)"
+        "--idle",
+        type=float,
+        default=10.0,
+        help="seconds counted idle first (0: no correction); under the proxy's keep-alive "
+        f"timeout ({KEEPALIVE_S:g} s), which the client's connection waits through",
     )
     parser.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
     parser.add_argument("--top", type=int, default=0, help="print N costliest functions")
     args = parser.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
+    if args.idle >= KEEPALIVE_S:
+        # The proxy would close the idle connection, and the first counted
+        # request fail with a broken pipe (--idle 20 did).
+        parser.error(f"--idle must be under {KEEPALIVE_S:g} s (the proxy's keep-alive timeout)")
     unknown = set(args.targets) - set(TARGETS)
     if unknown:
         parser.error(f"unknown targets: {', '.join(sorted(unknown))}")
