@@ -126,6 +126,8 @@ TOO_LARGE = "too_large"  # over the entry bound (--cache-max-entry-kb)
 TRUNCATED = "truncated"  # finish_reason "length" (kept with store_truncated)
 CONTINUED = "continued"  # a stream spliced from several origin calls
 INCOMPLETE = "incomplete"  # cut, no [DONE], an error, a shape not known
+# finish_refusal's reason for an answer cut by its max_tokens.
+_CUT_BY_LENGTH: Final = "finish_reason 'length'"
 
 
 def unkept_reason(refusal: str | None, *, too_large: bool = False) -> str:
@@ -145,7 +147,11 @@ def body_unkept_reason(body: bytes, obj: Any, *, max_bytes: int, store_truncated
         return TOO_LARGE
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if isinstance(choices, list):
-        reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
+        # A loop: a comprehension makes a function and its frame per answer.
+        reasons = []
+        for c in choices:
+            if isinstance(c, dict):
+                reasons.append(c.get("finish_reason"))
         return unkept_reason(finish_refusal(reasons, store_truncated=store_truncated))
     return INCOMPLETE
 
@@ -157,8 +163,12 @@ def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> s
         seen = True
         if reason is None:
             return "a choice has no finish_reason"
-        if reason == "length" and store_truncated:
-            continue
+        if reason == "length":
+            if store_truncated:
+                continue
+            # The usual refusal, an answer cut by its max_tokens: its words
+            # made once (the f-string's repr costs more than the rest).
+            return _CUT_BY_LENGTH
         if reason not in NATURAL_FINISH:
             return f"finish_reason {reason!r}"
     return None if seen else "no choices"
@@ -790,7 +800,3 @@ def _tool_call(slot: dict[str, Any]) -> dict[str, Any]:
         call[kind] = {"name": "", piece: ""}
     call.update((name, value) for name, value in slot.items() if name not in call)
     return call
-
-
-# finish_refusal's reason for an answer cut by its max_tokens.
-_CUT_BY_LENGTH: Final = finish_refusal(["length"], store_truncated=False)
