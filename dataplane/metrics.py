@@ -189,6 +189,14 @@ class Counter(_Family[CounterCell]):
         """For a counter without labels."""
         self.labels().inc(amount)
 
+    def add(self, *values: str) -> None:
+        """labels(*values).inc() in one call: the counters every request
+        moves (a Python call costs some 450 instructions, bench/instructions.py)."""
+        cell = self._cells.get(values)
+        if cell is None:
+            cell = self.labels(*values)
+        cell.value += 1.0
+
     def collect(self) -> Iterator[Metric]:
         family = self._empty()
         for values, cell in list(self._cells.items()):
@@ -208,6 +216,14 @@ class Histogram(_Family[HistogramCell]):
 
     def _new_cell(self) -> HistogramCell:
         return HistogramCell(self._bounds)
+
+    def observe_at(self, value: float, *values: str) -> None:
+        """labels(*values).observe(value) in one call, as Counter.add."""
+        cell = self._cells.get(values)
+        if cell is None:
+            cell = self.labels(*values)
+        cell.counts[bisect.bisect_left(self._bounds, value)] += 1  # HistogramCell.observe's
+        cell.sum += value
 
     def _empty(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
@@ -864,10 +880,11 @@ class Metrics:
 
     def account_tokens(self, tenant: str, key: str, usage: Usage) -> None:
         who = self._who(tenant, key)
+        # The cells' values moved here, not through inc(): a call fewer each.
         if usage.prompt_tokens:
-            self.tenant_tokens.labels(*who, "prompt").inc(usage.prompt_tokens)
+            self.tenant_tokens.labels(*who, "prompt").value += usage.prompt_tokens
         if usage.completion_tokens:
-            self.tenant_tokens.labels(*who, "completion").inc(usage.completion_tokens)
+            self.tenant_tokens.labels(*who, "completion").value += usage.completion_tokens
 
     def account_prefix_cache(self, origin: str, usage: Usage) -> None:
         """Count an answer's prompt tokens at `origin`, and those its prefix
@@ -908,8 +925,8 @@ class Metrics:
         elif excused:
             self.excused[region] = self.excused.get(region, 0) + 1
         provider = GENAI_PROVIDER
-        self.genai_duration.labels(operation, provider, model, error_type, region, cache).observe(
-            duration_s
+        self.genai_duration.observe_at(
+            duration_s, operation, provider, model, error_type, region, cache
         )
         if first_chunk_s is not None:
             self.genai_first_chunk.labels(operation, provider, model, region, cache).observe(

@@ -609,7 +609,7 @@ class EdgeCache:
             plan.unkept = body_unkept_reason(
                 body, obj, max_bytes=policy.max_entry_bytes, store_truncated=policy.store_truncated
             )
-            self._metrics.cache_unkept.labels(plan.unkept).inc()
+            self._metrics.cache_unkept.add(plan.unkept)
         return entry
 
     async def settle_body(
@@ -649,7 +649,7 @@ class EdgeCache:
                     plan.unkept = INCOMPLETE
                 else:
                     plan.unkept = unkept_reason(recorder.reason, too_large=recorder.too_large)
-                self._metrics.cache_unkept.labels(plan.unkept).inc()
+                self._metrics.cache_unkept.add(plan.unkept)
             self._foresee(plan.key, plan.unkept, kept=entry is not None)
         await self._keep(req, plan, entry)
         if plan.leader is not None:
@@ -798,7 +798,7 @@ class EdgeCache:
 
     def _count(self, result: str, kind: str) -> None:
         m = self._metrics
-        m.cache_requests.labels(result, str(kind)).inc()
+        m.cache_requests.add(result, str(kind))
 
 
 def _following(

@@ -370,11 +370,11 @@ def _record(
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
-    m.requests.labels(endpoint, str(status)).inc()
+    m.requests.add(endpoint, str(status))
     if error in NOT_SERVER_ERRORS:
         m.not_cached.labels(endpoint).inc()
     finished = time.perf_counter()
-    m.duration.labels(endpoint).observe(finished - started)
+    m.duration.observe_at(finished - started, endpoint)
     if ex is not None:
         m.operation(
             GENAI_OPERATIONS.get(ex.endpoint.name, ex.endpoint.name),

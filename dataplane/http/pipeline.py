@@ -709,7 +709,7 @@ class Pipeline:
             ex.route = "hedge"  # the chosen origin was slower than the next one
         elif answer.target is not candidates[0]:
             ex.route = "failover"  # the chosen origin failed or is ejected
-        self.metrics.routes.labels(ex.route, ex.origin).inc()
+        self.metrics.routes.add(ex.route, ex.origin)
         return answer
 
     def place(
@@ -1071,7 +1071,7 @@ class Pipeline:
                 name, end.cut, why, ex.request_id,
             )  # fmt: skip
         elif end.complete:
-            m.attempt(name, "ok").inc()
+            m.upstream_attempts.add(name, "ok")
             self.forwarder.stream_answered(name)
             if resume is None or not resume.count:
                 origin.ended()  # its body's end may still be on its way

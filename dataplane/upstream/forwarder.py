@@ -978,7 +978,7 @@ class Forwarder:
                 self.outliers.success(name)
             return
         self.outliers.success(name)
-        self._metrics.attempt(name, "ok").inc()
+        self._metrics.upstream_attempts.add(name, "ok")
 
     def stream_answered(self, origin: str) -> None:
         """A stream `origin` committed to ended with the answer's end: a
@@ -1396,9 +1396,9 @@ class Forwarder:
                         # Refusals come back at once and would make "slow" look fast.
                         took = loop.time() - sent_at
                         self.commit_times.observe(target.name, stream, took)
-                        self._metrics.commit_time.labels(
-                            target.name, "stream" if stream else "whole"
-                        ).observe(took)
+                        self._metrics.commit_time.observe_at(
+                            took, target.name, "stream" if stream else "whole"
+                        )
                         if 200 <= resp.status < 300 and (
                             streamed or parsed is not jsonio.NOT_PARSED
                         ):

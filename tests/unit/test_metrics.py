@@ -44,6 +44,27 @@ def test_counters_and_histograms_match_prometheus_client() -> None:
     assert "_created" not in generate_latest(ours).decode()
 
 
+def test_add_and_observe_at_are_labels_then_inc_and_observe() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    c1 = Counter("x_requests", "Requests", ["ep", "code"], registry=ours)
+    c2 = prometheus_client.Counter("x_requests", "Requests", ["ep", "code"], registry=theirs)
+    h1 = Histogram("x_seconds", "Time", ["ep"], buckets=LATENCY_BUCKETS, registry=ours)
+    h2 = prometheus_client.Histogram(
+        "x_seconds", "Time", ["ep"], buckets=LATENCY_BUCKETS, registry=theirs
+    )
+    for ep, code in (("chat", "200"), ("chat", "200"), ("chat", "429"), ("embed", "200")):
+        c1.add(ep, code)
+        c2.labels(ep, code).inc()
+    for ep, value in (("chat", 0.001), ("chat", 0.0011), ("embed", 7.0), ("chat", 61.0)):
+        h1.observe_at(value, ep)
+        h2.labels(ep).observe(value)
+    assert exposition(ours) == exposition(theirs)
+    with pytest.raises(ValueError):
+        c1.add("only-one")
+    with pytest.raises(ValueError):
+        h1.observe_at(1.0, "chat", "extra")
+
+
 def test_label_counts_are_checked_and_series_are_reused() -> None:
     registry = CollectorRegistry()
     counter = Counter("y", "Y", ["a", "b"], registry=registry)
