@@ -61,13 +61,14 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     (Metrics.in_flight) while it runs, unless it is one of the proxy's own
     probes or scrapes (accesslog.PROBES), which would count themselves."""
     endpoint = request.match_info.route.name or "other"
+    app = request.app  # once: a property of a property
     if endpoint in accesslog.PROBES:
-        return await _boundary(request, handler, endpoint)
-    in_flight = request.app[METRICS].in_flight.requests
+        return await _boundary(request, handler, endpoint, app)
+    in_flight = app[METRICS].in_flight.requests
     key = id(request)
     in_flight[key] = request
     try:
-        return await _boundary(request, handler, endpoint)
+        return await _boundary(request, handler, endpoint, app)
     finally:
         del in_flight[key]
 
@@ -98,7 +99,9 @@ def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
     return max(0.0, finished - first) / (chunks - 1)
 
 
-async def _boundary(request: web.Request, handler: Handler, endpoint: str) -> web.StreamResponse:
+async def _boundary(
+    request: web.Request, handler: Handler, endpoint: str, app: web.Application
+) -> web.StreamResponse:
     """The error boundary: every failure becomes an OpenAI-style error, and every
     answer is counted and carries `x-request-id`.
 
@@ -120,7 +123,6 @@ async def _boundary(request: web.Request, handler: Handler, endpoint: str) -> we
     cancellation goes on.
     """
     started = time.perf_counter()
-    app = request.app
     draining = app[DRAINING]
     request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
     if draining.active:
@@ -385,9 +387,12 @@ def _record(
             finished - started,
             ex.first_chunk_at - started if ex.stream and ex.first_chunk_at is not None else None,
             ex.usage if ex.origin else None,
-            chunk_gap(ex, finished, error),
-            refused=refused_here(ex, status, error),
-            excused=excused_here(ex, status, error),
+            # Only a stream has a chunk gap, and a request with no error (a
+            # status under 400) was neither refused nor excused: three calls
+            # fewer on the usual request.
+            chunk_gap(ex, finished, error) if ex.stream else None,
+            refused=bool(error) and refused_here(ex, status, error),
+            excused=bool(error) and excused_here(ex, status, error),
         )
     access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(logged, endpoint):
