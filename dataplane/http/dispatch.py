@@ -62,11 +62,15 @@ class FixedRoutes:
     def __len__(self) -> int:
         return len(self._routes)
 
-    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+    def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        """The route's handler's awaitable (or the application's own), not a
+        coroutine of this call's: the request's chain of awaits has no frame
+        here (each frame an await passes through costs some 900 instructions
+        a wait: bench/instructions.py)."""
         assert isinstance(request, web.Request)  # made by the application's factory
         found = self._routes.get((request.method, request.rel_url.raw_path))
         if found is None or hdrs.EXPECT in request.headers:
-            return await self._fallback(request)
+            return self._fallback(request)
         handler, info = found
         request._match_info = info
-        return await handler(request)
+        return handler(request)
