@@ -169,6 +169,20 @@ def redact_url(url: str) -> str:
     return _QUERY_ON.sub(r"\1***", redact_userinfo(url))
 
 
+# A URL inside a longer text (a JSON value, a change's before or after): up
+# to a space, a quote, a backslash (a JSON escape) or a bracket.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'\\<>{}\[\]]+")
+
+
+def redact_urls(text: str) -> str:
+    """text with each URL in it redacted (redact_url): what the audit trail
+    and its log lines keep of a value that may hold one (a tenant's JWKS URL,
+    an origin's, in a block shown whole; review 291)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
 MAX_JWKS_URL_CHARS = 2048
 
 

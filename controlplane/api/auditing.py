@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 from controlplane.apply import change_text
 from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
 from controlplane.errors import ControlPlaneError, OutcomeUnknown
-from controlplane.model import ApiKeyRecord, redact_url
+from controlplane.model import ApiKeyRecord, redact_urls
 from ponto import roles
 from ponto.times import utc
 from ponto.v1 import admin_pb2 as apb
@@ -129,6 +129,10 @@ def audited(
                     # keys (audit._bounded), and what a call noted (what it
                     # changed) says more than the request's echo (review 287).
                     detail = {**notes, **{k: v for k, v in detail.items() if k not in notes}}
+                    # A URL anywhere in a value (a tenant's JWKS URL, a block
+                    # shown whole, a change's before and after) is redacted:
+                    # the trail is also the control plane's log (ponto.audit).
+                    detail = {k: redact_urls(v) for k, v in detail.items()}
                     await self.audit.record(
                         actor=actor_of(context.auth_context(), token_required=self.token_required),
                         action=action(request) if action else fn.__name__,
@@ -203,10 +207,9 @@ def put_region(req: apb.PutRegionRequest, _: object) -> Description:
 
 
 def put_origin(req: apb.PutOriginRequest, _: object) -> Description:
+    # Its base URL is redacted with every URL of an entry (audited): one is
+    # refused when it carries userinfo, but refusals are recorded too.
     detail = fields(req.origin)
-    # Refused when it carries userinfo, but refusals are recorded too.
-    if "base_url" in detail:
-        detail["base_url"] = redact_url(detail["base_url"])
     return f"origin/{req.origin.name}", {**detail, "allow_update": _flag(req.allow_update)}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
@@ -600,6 +601,29 @@ async def test_a_region_or_tenant_put_over_another_records_what_it_replaced(
     assert "changes" not in created
     assert replaced["changes"] == 'limits unset -> {"rpm":600}'
     assert again["changes"] == "nothing"
+
+
+async def test_no_url_in_an_entry_keeps_a_credential(store: MemoryStore, clock: Clock) -> None:
+    """Review 291: a tenant's JWKS URL with a password or a query token was
+    kept whole in the trail, and so in every replica's log (ponto.audit),
+    refused calls too; only an origin's base URL was redacted."""
+    clock.step = 0.001
+    url = "https://bob:hunter2@idp.example/jwks?token=SECRET"
+    async with admin_server(store, clock) as stub:
+        tenant = pb.Tenant(name="acme")
+        tenant.jwt.issuer, tenant.jwt.jwks_url = "https://idp.example", url
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.PutTenant(apb.PutTenantRequest(tenant=tenant))
+        update = apb.UpdateTenantRequest(name="acme")
+        update.jwt.issuer, update.jwt.jwks_url = "https://idp.example", url
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.UpdateTenant(update)
+        entries = (await stub.ListAudit(apb.ListAuditRequest())).entries
+    assert [e.action for e in entries] == ["UpdateTenant", "PutTenant"]
+    for entry in entries:
+        kept = json.dumps(dict(entry.detail)) + entry.message
+        assert "https://idp.example" in kept
+        assert "hunter2" not in kept and "SECRET" not in kept, kept
 
 
 class _Context:
