@@ -560,18 +560,25 @@ class StatusWeb:
         failing = False
         while True:
             await self._sleep(every)
+            now = self._clock()
             try:
-                await self.sample(self._clock())
+                await self.sample(now)
             except ControlPlaneError as exc:
                 if not failing:
                     log.warning("status page rates: cannot read the proxies' reports: %s", exc)
                 failing = True
+                # Since when etcd is away, as these reads run whether or not
+                # anyone views the page (review 291: a page build's first
+                # failure was the time, and one after the next outage kept it).
+                if self._store_away_since is None:
+                    self._store_away_since = now
                 continue
             except Exception:  # a bug here must not stop the rates for good
                 if not failing:
                     log.exception("status page rates: sampling failed")
                 failing = True
                 continue
+            self._store_away_since = None
             if failing:
                 log.info("status page rates: reading the proxies' reports again")
             failing = False

@@ -58,9 +58,19 @@ function fineRate(value) {
 const UNKNOWN_RATE = "not known yet: a proxy counted some before this replica first read "
   + "its reports (it just connected, or the replica just started); known with its next report";
 
+// Its title while etcd does not answer (render sets storeAway): the reason
+// above would be wrong then (review 291).
+const AWAY_RATE = "not known: the state store (etcd), which holds the proxies' reports, "
+  + "does not answer";
+let storeAway = false;
+
+function unknownRate() {
+  return storeAway ? AWAY_RATE : UNKNOWN_RATE;
+}
+
 function limitCell(value, attrs) {
   const unknown = value === null || value === undefined;
-  return el("td", unknown ? { ...attrs, class: "unknown", title: UNKNOWN_RATE } : attrs,
+  return el("td", unknown ? { ...attrs, class: "unknown", title: unknownRate() } : attrs,
     fineRate(value));
 }
 
@@ -69,8 +79,8 @@ function limitCell(value, attrs) {
 function regionRate(value, svg) {
   if (value !== null && value !== undefined) return rate(value);
   return svg
-    ? el("svg:tspan", { class: "unknown" }, el("svg:title", {}, UNKNOWN_RATE), rate(value))
-    : el("span", { class: "unknown", title: UNKNOWN_RATE }, rate(value));
+    ? el("svg:tspan", { class: "unknown" }, el("svg:title", {}, unknownRate()), rate(value))
+    : el("span", { class: "unknown", title: unknownRate() }, rate(value));
 }
 
 function percent(value) {
@@ -377,11 +387,17 @@ function renderSuspended(suspended, now) {
 function renderStore(store, status) {
   const banner = document.getElementById("store");
   const away = Boolean(store) && store.available === false;
+  storeAway = away;
   banner.hidden = !away;
   if (!away) return;
   const since = store.since ? ` since ${utc(store.since)} (${age(Math.max(0, status.now - store.since))})` : "";
-  banner.textContent = `The state store (etcd) is unavailable${since}: regions, origins, health, `
-    + `drains and suspensions below are this replica's latest table (version ${status.latest_version}); `
+  // A replica that has built no table since it started knows nothing of the
+  // fleet: an empty page is no empty fleet (review 291).
+  const shown = status.latest_version
+    ? "regions, origins, health, drains and suspensions below are this replica's latest table "
+      + `(version ${status.latest_version}), and origins' load its last reading before the outage; `
+    : "this replica has built no table since it started, so nothing below is known of the fleet; ";
+  banner.textContent = `The state store (etcd) is unavailable${since}: ${shown}`
     + "proxies, replicas, the leader and rates are not known, and drains cannot be written. "
     + `(${store.error})`;
 }

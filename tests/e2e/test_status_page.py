@@ -939,9 +939,13 @@ def test_with_etcd_away_the_page_shows_the_latest_table_and_says_so(
             " document.querySelector('#proxies tbody').textContent,"
             " document.getElementById('leader').textContent,"
             " document.querySelector('article.region .rates').textContent,"
-            " document.getElementById('message').hidden];"
+            " document.getElementById('message').hidden,"
+            " (document.querySelector('article.region .served .unknown') || {}).title];"
         )
         assert shown[0] == ["ap-southeast", "eu-west", "us-east"]
+        # Review 291: an unknown rate's reason is the store's absence then.
+        assert "state store (etcd)" in shown[5] and "does not answer" in shown[5]
+        assert "this replica's latest table (version " in banner.text
         assert shown[1].startswith("Not known while the state store is unavailable")
         assert shown[2] == "not known"
         assert shown[3] == "proxies and their rates not known: the state store is unavailable"

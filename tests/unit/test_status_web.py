@@ -1529,6 +1529,42 @@ async def test_with_the_store_away_the_status_shows_the_latest_table(
     assert after["state_store"]["available"] and len(after["proxies"]) == 2
 
 
+async def test_the_store_is_said_away_since_its_reads_failed_not_since_a_view(
+    plane: Plane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 291: `since` was the first page build that failed, so a page
+    opened a while into an outage said it began then, and one opened in a
+    second outage (none between) said the first one's time. The sampler,
+    which reads etcd whether or not anyone views the page, says when."""
+    plane.clock.now = 1_000.0
+    away = [(1_010.0, 1_030.0), (1_050.0, 1_100.0)]
+    read_proxies = plane.catalog.list_proxies
+
+    async def proxies() -> list[ProxyRecord]:
+        if any(start <= plane.clock.now < end for start, end in away):
+            raise Unavailable("state store unavailable: etcd is away")
+        return await read_proxies()
+
+    reached = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        if plane.clock.now + seconds > 1_070.0:
+            reached.set()
+            await asyncio.Event().wait()  # until cancelled
+        plane.clock.now += seconds
+
+    monkeypatch.setattr(plane.catalog, "list_proxies", proxies)
+    web = web_of(plane, sleep=sleep)
+    sampler = asyncio.create_task(web.sample_forever())
+    await reached.wait()
+    sampler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sampler
+    status = await web.status(plane.clock.now)
+    assert status["state_store"]["available"] is False
+    assert status["state_store"]["since"] == 1_050.0  # the second outage's first read
+
+
 @pytest.mark.parametrize(("traffic_every", "stale"), [(30.0, True), (40.0, False)])
 async def test_a_proxy_is_stale_after_three_report_writes_of_its_replica(
     plane: Plane, traffic_every: float, stale: bool
