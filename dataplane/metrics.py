@@ -389,6 +389,28 @@ class ReadCounters(Collector):
         yield family
 
 
+class FleetInfo(Collector):
+    """ponto_fleet_info{fleet_id} = 1: the fleet of the route table served,
+    which `pontoctl fleet adopt` takes when etcd lost it (none until a table
+    with a fleet id is served)."""
+
+    NAME = "ponto_fleet_info"
+    DOC = "The fleet id of the route table served (1; none before such a table)"
+
+    def __init__(self, read: Callable[[], str], *, registry: CollectorRegistry) -> None:
+        self._read = read
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=["fleet_id"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["fleet_id"])
+        if fleet := self._read():
+            family.add_metric([fleet], 1.0)
+        yield family
+
+
 class InFlight(Collector):
     """ponto_requests_in_flight and ponto_streams_open, read at scrape time
     from the requests the error boundary holds (`requests`, by id(): it adds
@@ -752,6 +774,19 @@ class Metrics:
         self.table_nacks = ReadCounter(
             "ponto_route_table_nacks", "Tables refused since start", registry=r
         )
+        # Set by bind_fleet: what the guard of dataplane.sync.holder refused.
+        self._fleet_refused: Callable[[], Mapping[str, float]] = dict
+        self._fleet_id: Callable[[], str] = str
+        ReadCounters(
+            "ponto_route_table_refused",
+            "Tables refused as another fleet's (reason another_fleet: the control plane's "
+            "etcd lost its state, or is not this fleet's) or as opening a proxy whose "
+            "table requires a key (would_open); page on any",
+            "reason",
+            lambda: self._fleet_refused(),  # noqa: PLW0108 - bound later, by bind_fleet
+            registry=r,
+        )
+        FleetInfo(lambda: self._fleet_id(), registry=r)  # noqa: PLW0108 - as above
         self.access_log_dropped = ReadCounter(
             "ponto_access_log_dropped",
             "Access-log lines dropped because standard output did not take them",
@@ -1100,6 +1135,13 @@ class Metrics:
             ),
         ):
             ReadCounter(f"ponto_semantic_feed_{name}", doc, registry=r).read = stat(*names)
+
+    def bind_fleet(
+        self, refused: Callable[[], Mapping[str, float]], fleet_id: Callable[[], str]
+    ) -> None:
+        """The holder's refusals by reason and the fleet id it serves."""
+        self._fleet_refused = refused
+        self._fleet_id = fleet_id
 
     def bind(
         self,

@@ -4,6 +4,15 @@ Static stability: the proxy serves whatever table it last applied, whether or
 not the control plane is reachable, and keeps a copy on disk so a restart
 without a control plane still serves. A pushed table is validated first; one
 that fails is refused (the link NACKs it) and the previous one keeps serving.
+
+Two refusals guard the fleet against a control plane that lost its state
+(trial 73: etcd emptied, and every proxy applied the empty table it
+published, then served anyone without a key): a table of another fleet
+(RouteTable.fleet_id differs from the one of the tables served), and a table
+that would open a proxy whose table requires a key or a JWT (auth_required).
+Neither is a table an intact control plane makes (docs/architecture.md,
+"Fleet identity"). A proxy with no table takes any; one restarted without its
+state directory has none.
 """
 
 from __future__ import annotations
@@ -30,6 +39,47 @@ TABLE_FILE = "route_table.pb"
 # no_route_table: a first table normally arrives within a second of the proxy
 # (or a group's worker) starting.
 FIRST_TABLE_WAIT_S = 3.0
+
+
+# The refusals of the guard (RouteTable.fleet_id, auth_required), as counted
+# in ponto_route_table_refused_total{reason}.
+ANOTHER_FLEET = "another_fleet"
+WOULD_OPEN = "would_open"
+
+
+class TableRefused(TableError):
+    """A table the guard refuses (ANOTHER_FLEET, WOULD_OPEN): well formed,
+    but not one this proxy may serve after the one it serves. The holder logs
+    it once per distinct refused fleet id, not the link at each push."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def refusal(fleet_id: str, closed: bool, table: pb.RouteTable) -> TableRefused | None:
+    """Pure: why a proxy serving tables of fleet `fleet_id` ("" when none of
+    them carried one), whose table requires auth if `closed`, must refuse
+    `table`; None when it may apply it. A table without a fleet id (a control
+    plane older than it) is judged by auth alone."""
+    if fleet_id and table.fleet_id and table.fleet_id != fleet_id:
+        # The gist first: `pontoctl get proxies` shows a NACK's first 60 characters.
+        return TableRefused(
+            f"another fleet's table (fleet {table.fleet_id}; this proxy serves fleet "
+            f"{fleet_id}): its control plane's etcd lost its state or is not this "
+            "fleet's. The proxy keeps its table; to make the new state this fleet's "
+            f"on purpose: `pontoctl fleet adopt {fleet_id}` (docs/operations.md)",
+            ANOTHER_FLEET,
+        )
+    if closed and not table.auth_required:
+        return TableRefused(
+            "table would open this proxy (no API key or JWT issuer; the one it serves "
+            "requires one): a fleet that had a key stays closed, and a control plane "
+            "whose etcd lost its keys must not open it. The proxy keeps its table; "
+            "make a key or an issuer again (docs/operations.md)",
+            WOULD_OPEN,
+        )
+    return None
 
 
 class TableHolder:
@@ -67,6 +117,17 @@ class TableHolder:
         # the state directory, when it was saved).
         self.received_at = 0.0
         self._saved = state_writer(state_dir, TABLE_FILE, "route table", log)
+        # The fleet id of the tables served ("" before one that carries it):
+        # kept through a table without one (an older control plane's, in a
+        # rollout), so a rollback does not drop the guard (see refusal).
+        self.fleet_id = ""
+        # Whether the table served requires a key or a JWT (auth_required).
+        self.closed = False
+        # Tables the guard refused, by reason (ANOTHER_FLEET, WOULD_OPEN).
+        self.refused: dict[str, int] = {}
+        # (reason, fleet id) of the refusals logged: each is logged once at
+        # ERROR, not at every push of the control plane that lost its state.
+        self._told: set[tuple[str, str]] = set()
 
     @property
     def key_sets_ready(self) -> bool:
@@ -74,10 +135,17 @@ class TableHolder:
         return self.key_sets is None or self.key_sets.ready
 
     def apply(self, table: pb.RouteTable, source: str) -> bool:
-        """Validate and install table; return False if it was already current."""
+        """Validate and install table; return False if it was already current.
+        Raises TableError for a table it refuses (TableRefused for one of
+        another fleet, or one that would open a closed proxy)."""
         current = self.routes
         if source == "control-plane":
             self.received_at = time.time()
+        if current is not None:
+            refused = refusal(self.fleet_id, self.closed, table)
+            if refused is not None:
+                self._refused(refused, table)
+                raise refused
             if (
                 current is not None
                 and self.source == "control-plane"
@@ -101,6 +169,13 @@ class TableHolder:
         self.routes = routes
         self.policy = policy
         self.source = source
+        self.closed = table.auth_required
+        if table.fleet_id:
+            self.fleet_id = table.fleet_id
+        if self._told:
+            # The next refusal is news again (an etcd lost twice).
+            log.info("took a route table again after refusing some (fleet %s)", self.fleet_id)
+            self._told.clear()
         self._installed.set()
         self._run_hooks(routes, policy)
         log.info(
@@ -148,6 +223,18 @@ class TableHolder:
         if source == "control-plane":
             self._save(table)
         return True
+
+    def _refused(self, refused: TableRefused, table: pb.RouteTable) -> None:
+        """Count a refusal of the guard, and log it at ERROR the first time
+        its reason and fleet id come (the control plane pushes again at each
+        change of its state, and at each reconnection)."""
+        self.refused[refused.reason] = self.refused.get(refused.reason, 0) + 1
+        told = (refused.reason, table.fleet_id)
+        if told in self._told:
+            log.debug("refused route table version %d: %s", table.version, refused)
+            return
+        self._told.add(told)
+        log.error("refused route table version %d: %s", table.version, refused)
 
     def _run_hooks(self, routes: Routes, policy: EdgePolicy) -> None:
         """Hand the installed table to every on_apply hook. One that fails (a

@@ -22,7 +22,7 @@ import grpc
 from prometheus_client.registry import Collector
 
 from dataplane.routes import TableError
-from dataplane.sync.holder import TableHolder
+from dataplane.sync.holder import TableHolder, TableRefused
 from dataplane.upstream.outlier import Ejected
 from ponto import linkadvice
 from ponto.grpcconn import KEEPALIVE_OPTIONS, ClientOptions, CredentialError, aio_channel
@@ -566,7 +566,9 @@ class ControlPlaneClient:
             # is refused and the link lives on: escaping here, it would end
             # the link's task, and the proxy would hear of no table again.
             self.nacks += 1
-            if isinstance(exc, TableError):
+            if isinstance(exc, TableRefused):
+                pass  # logged by the holder, once per fleet id (not per push)
+            elif isinstance(exc, TableError):
                 log.error("refused route table version %d: %s", update.table.version, exc)
             else:
                 log.exception(
@@ -578,6 +580,7 @@ class ControlPlaneClient:
                 version_info=current.version if current else 0,
                 response_nonce=update.nonce,
                 error_detail=str(exc) or type(exc).__name__,
+                fleet_id=self._holder.fleet_id,
             )
         self._told = self.warnings()
         return pb.RouteRequest(
@@ -585,6 +588,7 @@ class ControlPlaneClient:
             version_info=update.table.version,
             response_nonce=update.nonce,
             warnings=self._told,
+            fleet_id=self._holder.fleet_id,
         )
 
     def warnings(self) -> tuple[str, ...]:

@@ -1453,3 +1453,56 @@ class ListAuditResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListAuditResponse: _TypeAlias = ListAuditResponse  # noqa: Y015
+
+@_typing.final
+class AdoptFleetRequest(_message.Message):
+    """---------------------------------------------------------------- fleet
+
+    Make the state store's fleet id `fleet_id`: the one the proxies serve,
+    which they name when they refuse the tables of a store that lost its state
+    (etcd emptied, or a replica pointed at another etcd) and made a new fleet
+    id. They take its tables again from then on, so run it only once the store
+    holds what the fleet should serve (docs/operations.md, "etcd came back
+    empty"). Audited. INVALID_ARGUMENT for an id that is not one (16 to 64
+    characters of [0-9a-f-]).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FLEET_ID_FIELD_NUMBER: _builtins.int
+    fleet_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        fleet_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fleet_id", b"fleet_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdoptFleetRequest: _TypeAlias = AdoptFleetRequest  # noqa: Y015
+
+@_typing.final
+class AdoptFleetResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FLEET_ID_FIELD_NUMBER: _builtins.int
+    PREVIOUS_FIELD_NUMBER: _builtins.int
+    fleet_id: _builtins.str
+    """The store's fleet id now, and before the call ("" when it had none)."""
+    previous: _builtins.str
+    def __init__(
+        self,
+        *,
+        fleet_id: _builtins.str = ...,
+        previous: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fleet_id", b"fleet_id", "previous", b"previous"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdoptFleetResponse: _TypeAlias = AdoptFleetResponse  # noqa: Y015

@@ -165,6 +165,11 @@ class AdminStub:
                 request_serializer=ponto_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
                 response_deserializer=ponto_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
                 _registered_method=True)
+        self.AdoptFleet = channel.unary_unary(
+                '/ponto.v1.Admin/AdoptFleet',
+                request_serializer=ponto_dot_v1_dot_admin__pb2.AdoptFleetRequest.SerializeToString,
+                response_deserializer=ponto_dot_v1_dot_admin__pb2.AdoptFleetResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -329,6 +334,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdoptFleet(self, request, context):
+        """Make the store's fleet id the one the proxies serve (AdoptFleetRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -461,6 +473,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListAudit,
                     request_deserializer=ponto_dot_v1_dot_admin__pb2.ListAuditRequest.FromString,
                     response_serializer=ponto_dot_v1_dot_admin__pb2.ListAuditResponse.SerializeToString,
+            ),
+            'AdoptFleet': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptFleet,
+                    request_deserializer=ponto_dot_v1_dot_admin__pb2.AdoptFleetRequest.FromString,
+                    response_serializer=ponto_dot_v1_dot_admin__pb2.AdoptFleetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1165,6 +1182,33 @@ class Admin:
             '/ponto.v1.Admin/ListAudit',
             ponto_dot_v1_dot_admin__pb2.ListAuditRequest.SerializeToString,
             ponto_dot_v1_dot_admin__pb2.ListAuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdoptFleet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ponto.v1.Admin/AdoptFleet',
+            ponto_dot_v1_dot_admin__pb2.AdoptFleetRequest.SerializeToString,
+            ponto_dot_v1_dot_admin__pb2.AdoptFleetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,8 @@ class AdminStub:
     """The whole topology as an apply document."""
     ListAudit: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListAuditRequest, _admin_pb2.ListAuditResponse]
     """The audit trail of mutating calls, succeeded and refused alike."""
+    AdoptFleet: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AdoptFleetRequest, _admin_pb2.AdoptFleetResponse]
+    """Make the store's fleet id the one the proxies serve (AdoptFleetRequest)."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -113,6 +115,8 @@ class AdminAsyncStub(AdminStub):
     """The whole topology as an apply document."""
     ListAudit: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListAuditRequest, _admin_pb2.ListAuditResponse]  # type: ignore[assignment]
     """The audit trail of mutating calls, succeeded and refused alike."""
+    AdoptFleet: _aio.UnaryUnaryMultiCallable[_admin_pb2.AdoptFleetRequest, _admin_pb2.AdoptFleetResponse]  # type: ignore[assignment]
+    """Make the store's fleet id the one the proxies serve (AdoptFleetRequest)."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -299,5 +303,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListAuditResponse, _abc.Awaitable[_admin_pb2.ListAuditResponse]]:
         """The audit trail of mutating calls, succeeded and refused alike."""
+
+    @_abc_1.abstractmethod
+    def AdoptFleet(
+        self,
+        request: _admin_pb2.AdoptFleetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.AdoptFleetResponse, _abc.Awaitable[_admin_pb2.AdoptFleetResponse]]:
+        """Make the store's fleet id the one the proxies serve (AdoptFleetRequest)."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -972,6 +972,7 @@ class RouteTable(_message.Message):
     AUTH_REQUIRED_FIELD_NUMBER: _builtins.int
     RESPONSE_ID_KEYS_FIELD_NUMBER: _builtins.int
     RESPONSE_ID_OWNERS_FROM_FIELD_NUMBER: _builtins.int
+    FLEET_ID_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """etcd revision the table was compiled from; increases with every change."""
     etag: _builtins.str
@@ -989,6 +990,16 @@ class RouteTable(_message.Message):
     under a deleted one's name cannot use the first one's ids (etcd
     /ponto/state/secrets/response-id-owners, its create revision). 0 from a
     control plane older than it: such ids are taken for the name.
+    """
+    fleet_id: _builtins.str
+    """The fleet's identity: random, made once by the first control plane
+    replica that builds a table from a store without one (etcd
+    /ponto/state/fleet-id), changed only by `pontoctl fleet adopt`. A proxy
+    that serves a table of one fleet refuses (NACKs) a table of another:
+    an etcd that lost its data, or a replica pointed at the wrong etcd,
+    makes a new fleet, whose (empty) tables must not replace the ones
+    proxies serve. "" from a control plane older than it: such a table is
+    judged without it. Proxies older than it ignore it.
     """
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]: ...
@@ -1028,10 +1039,11 @@ class RouteTable(_message.Message):
         auth_required: _builtins.bool = ...,
         response_id_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         response_id_owners_from: _builtins.int = ...,
+        fleet_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "response_id_keys", b"response_id_keys", "response_id_owners_from", b"response_id_owners_from", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_required", b"auth_required", "etag", b"etag", "fleet_id", b"fleet_id", "keys", b"keys", "origins", b"origins", "purges", b"purges", "regions", b"regions", "response_id_keys", b"response_id_keys", "response_id_owners_from", b"response_id_owners_from", "tenants", b"tenants", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1292,6 +1304,7 @@ class RouteRequest(_message.Message):
     WARNINGS_CURRENT_FIELD_NUMBER: _builtins.int
     HIGHEST_HELD_FIELD_NUMBER: _builtins.int
     EJECTED_FIELD_NUMBER: _builtins.int
+    FLEET_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     version_info: _builtins.int
     """Version of the table the proxy is serving after handling the push with
@@ -1330,6 +1343,13 @@ class RouteRequest(_message.Message):
     revisions; a control plane whose etcd went back (restored from a backup,
     or its data lost) numbers what it sends from above it, or the proxy would
     refuse it as older than what it holds.
+    """
+    fleet_id: _builtins.str
+    """On ACKs and NACKs: the fleet id of the table the proxy serves after
+    handling the push (RouteTable.fleet_id; "" with none, or a table
+    without one). A NACK of a table of another fleet carries the fleet the
+    proxy serves, which `pontoctl fleet adopt` takes. A proxy from before it
+    sends none.
     """
     @_builtins.property
     def demand(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScopeDemand]:
@@ -1392,10 +1412,11 @@ class RouteRequest(_message.Message):
         warnings_current: _builtins.bool = ...,
         highest_held: _builtins.int = ...,
         ejected: _abc.Iterable[Global___OriginEjected] | None = ...,
+        fleet_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "ejected", b"ejected", "error_detail", b"error_detail", "highest_held", b"highest_held", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_errors_total", b"client_errors_total", "demand", b"demand", "ejected", b"ejected", "error_detail", b"error_detail", "fleet_id", b"fleet_id", "highest_held", b"highest_held", "is_report", b"is_report", "limited", b"limited", "requests_total", b"requests_total", "response_nonce", b"response_nonce", "served", b"served", "server_errors_total", b"server_errors_total", "session_id", b"session_id", "takes_unchanged", b"takes_unchanged", "version_info", b"version_info", "warnings", b"warnings", "warnings_current", b"warnings_current"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
