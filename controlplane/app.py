@@ -27,6 +27,7 @@ from controlplane.compaction import Compactor
 from controlplane.distribute import Publisher
 from controlplane.election import Leadership
 from controlplane.errors import Unavailable
+from controlplane.fleetid import FleetWatch
 from controlplane.health import Prober
 from controlplane.loadsync import LoadHub, LoadScraper
 from controlplane.metrics import ControlMetrics
@@ -117,12 +118,14 @@ class ControlPlane:
             max_entries=settings.audit_max_entries,
         )
         self.publisher = Publisher(settings.replica_id, clock=self.metrics.clock)
+        self.fleet = FleetWatch()
         self.builder = TableBuilder(
             self.catalog,
             self.publisher,
             quiet=settings.debounce_quiet,
             max_delay=settings.debounce_max,
             behind=self._ahead,
+            fleet=self.fleet,
         )
         self.registry = ProxyRegistry(
             self.catalog,
@@ -145,6 +148,7 @@ class ControlPlane:
             self.loads,
             metrics=self.metrics,
             ahead=self._ahead,
+            fleet=self.fleet,
         )
         self.leadership = Leadership(store, settings.replica_id, ttl=settings.leader_ttl)
         self.rebalancer = Rebalancer(
@@ -193,6 +197,7 @@ class ControlPlane:
             leader_terms=lambda: self.leadership.terms,
             loads=lambda: self.loads.loads,
             budgets=self.rebalancer.budget_use,
+            fleet=self.fleet,
         )
         # Health alone, in plaintext, for kubelet probes (--health-listen).
         self.health_server: grpc.aio.Server | None = None
@@ -210,6 +215,7 @@ class ControlPlane:
             metrics=self.metrics,
             loads=lambda: self.loads.loads,
             suspensions=lambda: self.builder.suspensions,
+            fleet_problem=self.fleet.problem,
             traffic_every=settings.traffic_interval,
         )
         self.web_runner: web.AppRunner | None = None

@@ -18,6 +18,7 @@ from controlplane.catalog import STATE_PREFIX, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.errors import Unavailable
+from controlplane.fleetid import FleetWatch
 from controlplane.store import StoreUnavailable
 from controlplane.suspensions import Suspensions, of_state
 
@@ -34,6 +35,7 @@ class TableBuilder:
         max_delay: float = 0.5,
         retry_max: float = 2.0,
         behind: Callable[[int], Awaitable[bool]] | None = None,
+        fleet: FleetWatch | None = None,
     ) -> None:
         """`behind(version)` is told when the state read is numbered below
         `version`, the table this replica published last: the store's
@@ -46,6 +48,7 @@ class TableBuilder:
         self._max_delay = max_delay
         self._retry_max = retry_max
         self._behind = behind
+        self.fleet = fleet if fleet is not None else FleetWatch()
         self._dirty = asyncio.Event()
         # The revision the last build read the state at: the watch starts
         # there (see _watch), set once a build has read.
@@ -66,15 +69,22 @@ class TableBuilder:
     async def build_once(self) -> bool:
         """Read, compile, publish; return whether a new snapshot was published."""
         state = await self._catalog.snapshot()
-        if not state.response_id_keys or not state.response_id_owners_from:
+        if not state.response_id_keys or not state.response_id_owners_from or not state.fleet_id:
             # The first table of a fleet (or of one older than the keys, or
-            # than ids signed for tenants' records): each is made once, and
-            # read back as every replica reads it.
+            # than ids signed for tenants' records, or than fleet ids; or of
+            # an etcd that lost its data): each is made once, and read back
+            # as every replica reads it.
             if not state.response_id_keys:
                 await self._catalog.ensure_response_id_key()
             if not state.response_id_owners_from:
                 await self._catalog.ensure_response_id_owners()
             state = await self._catalog.snapshot()
+            # After the keys: the id is derived from them (Catalog.ensure_fleet_id).
+            if not state.fleet_id:
+                if made := await self._catalog.ensure_fleet_id(state.response_id_keys):
+                    latest = self._publisher.latest
+                    self.fleet.made(made, latest.table.fleet_id if latest is not None else "")
+                state = await self._catalog.snapshot()
         self._read_at = state.revision
         self._read.set()
         self.builds += 1
@@ -106,6 +116,7 @@ class TableBuilder:
         self.suspensions = of_state(state)
         snap = self._publisher.publish(table)
         if snap is not None:
+            self.fleet.published(table.fleet_id)
             log.info("route table version %d (etag %s…) published", snap.version, snap.etag[:12])
         return snap is not None
 

@@ -10,6 +10,9 @@ Layout in the store (one JSON object per key):
   /ponto/state/secrets/response-ids  {"keys": [hex, ...]}: the Responses ids'
                                 MAC keys (RouteTable.response_id_keys), the
                                 first signs; made once (ensure_response_id_key)
+  /ponto/state/fleet-id         {"id": hex}: the fleet's identity (RouteTable.
+                                fleet_id), made once (ensure_fleet_id), changed
+                                only by `pontoctl fleet adopt` (adopt_fleet)
   /ponto/proxies/NAME           ProxyRecord  under a replica's lease; not compiled
   /ponto/replicas/ID            control-plane replicas, under their own leases
   /ponto/acks/ID                a replica's proxies' ACKed versions, one key per replica
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import re
@@ -63,9 +67,11 @@ from controlplane.model import (
     State,
     Tenant,
     access_warnings,
+    check_fleet_id,
     check_model_names,
     check_name,
     check_reason,
+    decode_fleet_id,
     decode_health,
     decode_id_keys,
     decode_key,
@@ -123,6 +129,12 @@ RESPONSE_ID_KEYS = STATE_PREFIX + "secrets/response-ids"
 # response_id_owners_from).
 RESPONSE_ID_OWNERS = STATE_PREFIX + "secrets/response-id-owners"
 RESPONSE_ID_KEY_BYTES = 32
+# The fleet's identity: made, like the Responses id keys, by the first replica
+# that builds a table without it. An etcd that lost its data (or another
+# etcd) has none, so the replica that reads it makes a new one, whose tables
+# the proxies of the old one refuse (dataplane.sync.holder).
+FLEET_ID = STATE_PREFIX + "fleet-id"
+FLEET_ID_BYTES = 8
 MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
@@ -226,6 +238,7 @@ class Catalog:
         created: dict[str, int] = {}
         id_keys: tuple[bytes, ...] = ()
         owners_from = 0
+        fleet_id = ""
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -251,6 +264,8 @@ class Catalog:
                     id_keys = decode_id_keys(kv.value)
                 elif kv.key == RESPONSE_ID_OWNERS:
                     owners_from = kv.create_revision
+                elif kv.key == FLEET_ID:
+                    fleet_id = decode_fleet_id(kv.value)
             except (ValueError, TypeError, KeyError, AttributeError, InvalidArgument) as exc:
                 # AttributeError: a field of the wrong JSON type met a method
                 # (a tenant's "prompt": [1]; review: it stopped the builder).
@@ -267,6 +282,7 @@ class Catalog:
             created,
             id_keys,
             owners_from,
+            fleet_id,
         )
 
     async def ensure_response_id_key(self) -> None:
@@ -280,6 +296,53 @@ class Catalog:
         except Conflict:
             return
         log.info("made the fleet's Responses id key (%s)", RESPONSE_ID_KEYS)
+
+    async def ensure_fleet_id(self, id_keys: tuple[bytes, ...]) -> str:
+        """Make the fleet's id unless one is stored (created only if absent:
+        of replicas that race, one wins and the others read its id); return
+        the id made, "" when another replica's was there. Called by the table
+        builder when a snapshot has none, with the Responses id keys stored
+        (made first).
+
+        The id is derived from the oldest of those keys (fleet_id_of), not
+        drawn anew: a store of a fleet older than fleet ids, and a restore of
+        a snapshot taken before its fleet id was made, get the fleet id the
+        proxies serve, and the proxies take their tables (docs/operations.md:
+        a restore must just work). An etcd that lost its data lost the keys
+        too, and its new key gives a new fleet id."""
+        fleet_id = fleet_id_of(id_keys[-1]) if id_keys else secrets.token_hex(FLEET_ID_BYTES)
+        try:
+            await _guard(self.store.put(FLEET_ID, orjson.dumps({"id": fleet_id}), if_absent=True))
+        except Conflict:
+            return ""
+        return fleet_id
+
+    async def adopt_fleet(self, fleet_id: str) -> str:
+        """Make the stored fleet id `fleet_id` (the one proxies serve, which
+        they name when they refuse this store's tables); return the one it
+        replaced ("" when none was stored). The builder's watch publishes the
+        state again under it. Compare-and-swap, as a replica making the
+        first id may race it."""
+        value = orjson.dumps({"id": check_fleet_id(fleet_id)})
+        for _ in range(CAS_ATTEMPTS):
+            current = await _guard(self.store.get(FLEET_ID))
+            try:
+                previous = decode_fleet_id(current.value) if current is not None else ""
+            except ValueError:
+                previous = ""  # a value edited by hand: replaced
+            try:
+                await _guard(
+                    self.store.put(
+                        FLEET_ID,
+                        value,
+                        if_mod_revision=current.mod_revision if current is not None else 0,
+                    )
+                )
+            except Conflict:
+                continue
+            log.warning("the fleet id is %s now (was %s): adopted", fleet_id, previous or "none")
+            return previous
+        raise Unavailable("the fleet id kept changing; try again")
 
     async def ensure_response_id_owners(self) -> None:
         """Mark, once, the revision from which Responses ids are signed for a
@@ -1311,6 +1374,13 @@ class Catalog:
             except (ValueError, TypeError) as exc:
                 log.error("ignoring undecodable key %s: %s", kv.key, exc)
         return out
+
+
+def fleet_id_of(id_key: bytes) -> str:
+    """The fleet id of a store first made with Responses id key `id_key`:
+    one-way (the key is the fleet's secret; its id is shown to anyone who
+    reads a proxy's metrics)."""
+    return hashlib.sha256(b"ponto fleet id\0" + id_key).hexdigest()[: 2 * FLEET_ID_BYTES]
 
 
 def _region_settings(r: Region) -> Region:

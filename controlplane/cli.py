@@ -998,6 +998,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("--all", action="store_true", help="required to purge everything")
 
+    fleet = sub.add_parser(
+        "fleet", help="adopt the fleet id the proxies serve (etcd lost for good)"
+    ).add_subparsers(dest="action", required=True)
+    fa = fleet.add_parser(
+        "adopt",
+        help="make the control plane's fleet id the one the proxies serve",
+        description="Proxies refuse the route tables of a control plane whose etcd lost its "
+        "state (or is another fleet's): its fleet id is not theirs. When etcd cannot be "
+        "restored from a snapshot, apply the configuration and make keys again, then adopt "
+        "the id the proxies name in their refusal (`get proxies -o json`, their "
+        "ponto_fleet_info metric): they take the control plane's tables from then on. A proxy "
+        "whose table requires a key still refuses one that requires none "
+        "(docs/operations.md).",
+    )
+    fa.add_argument("fleet_id", metavar="ID", help="the fleet id the proxies serve")
+
     ap = sub.add_parser("apply", help="make regions, origins and tenants match a YAML file")
     ap.add_argument("-f", "--file", required=True, help="topology YAML ('-' for stdin)")
     ap.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
@@ -1813,7 +1829,8 @@ def _table_summary(resp: apb.GetRouteTableResponse) -> str:
         f"route table version {t.version} (etag {t.etag[:12]}): {len(t.regions)} regions, "
         f"{len(t.origins)} origins, {len(t.tenants)} tenants, {_keys_text(t.keys)}, "
         f"{sum(not p.birth for p in t.purges)} purges; "
-        f"auth {'required' if t.auth_required else 'open'}"
+        f"auth {'required' if t.auth_required else 'open'}; "
+        f"fleet {t.fleet_id or '? (a control plane older than fleet ids)'}"
     )
     rows = []
     for r in t.regions:
@@ -2326,6 +2343,15 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             "\n".join([said, *(f"note: {n}" for n in notes)]),
             _not_saved(asked_limits, limits, pb.Limits()),
         )
+    if args.command == "fleet":
+        adopted = stub.AdoptFleet(apb.AdoptFleetRequest(fleet_id=args.fleet_id))
+        if adopted.previous == adopted.fleet_id:
+            return f"the fleet id is {adopted.fleet_id} already"
+        return (
+            f"the fleet id is {adopted.fleet_id} now (was {adopted.previous or 'none'}): "
+            "proxies of that fleet take the route tables from the next one on; `get proxies` "
+            "shows whether they do"
+        )
     if args.command == "cache":
         if not (args.tenant or args.model or args.all):
             raise UsageError("give --tenant, --model, or --all to purge everything")
@@ -2560,7 +2586,7 @@ def _check_with(args: argparse.Namespace) -> str | None:
         return "pontoctl get tenants"
     if command == "apply":
         return "pontoctl export"
-    return ""  # a purge: purging again does no harm
+    return ""  # a purge, an adoption: doing it again does no harm
 
 
 class OnceShown(Shown):

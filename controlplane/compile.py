@@ -132,6 +132,7 @@ def compile_table(state: State) -> pb.RouteTable:
     table.purges.extend(sorted(purges, key=lambda p: p.revision))
     table.response_id_keys.extend(state.response_id_keys)
     table.response_id_owners_from = state.response_id_owners_from
+    table.fleet_id = state.fleet_id
     table.etag = content_etag(table)
     return table
 

@@ -34,6 +34,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controlplane.fleetid import FleetWatch
 from dataplane.metrics import Counter, Histogram
 from ponto.v1 import routing_pb2 as pb
 from ponto.version import software_version
@@ -118,6 +119,7 @@ class ControlMetrics:
         self._load_ages: Callable[[], Mapping[str, float]] = dict
         self._loads: Callable[[], pb.OriginLoads | None] = lambda: None
         self._budgets: Callable[[], Iterable[tuple[str, str, float, int]]] = tuple
+        self._fleet = FleetWatch()
         info = ((replica, software_version()), 1.0)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -290,6 +292,23 @@ class ControlMetrics:
             r,
         )
         _Reading(
+            "ponto_control_fleet_replaced",
+            "1 while this replica publishes tables of a fleet id it made for a store "
+            "without one after it served another (etcd lost its data, or is another): "
+            "proxies refuse them until the fleet id is adopted (pontoctl fleet adopt)",
+            (),
+            lambda: [((), 1.0 if self._fleet.replaced else 0.0)],
+            r,
+        )
+        _Reading(
+            "ponto_control_proxies_other_fleet",
+            "Proxies connected to this replica that refuse its route tables as another "
+            "fleet's, by the fleet id they serve (the id `pontoctl fleet adopt` takes)",
+            ("fleet_id",),
+            self._other_fleets,
+            r,
+        )
+        _Reading(
             "ponto_control_info",
             "Always 1: the replica's id and software version",
             ("replica", "version"),
@@ -307,6 +326,7 @@ class ControlMetrics:
         leader_terms: Callable[[], int] = lambda: 0,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         budgets: Callable[[], Iterable[tuple[str, str, float, int]]] = tuple,
+        fleet: FleetWatch | None = None,
     ) -> None:
         """Where scrape-time state is read: the latest published table, the
         versions last ACKed by the proxies connected here, the election (and
@@ -320,6 +340,7 @@ class ControlMetrics:
         self._load_ages = load_ages
         self._loads = loads
         self._budgets = budgets
+        self._fleet = fleet or FleetWatch()
 
     # ------------------------------------------------------------ events
 
@@ -401,6 +422,12 @@ class ControlMetrics:
             ((scope, period), used if spent else float(budget))
             for scope, period, used, budget in self._budgets()
         ]
+
+    def _other_fleets(self) -> Series:
+        counts: dict[str, int] = {}
+        for served in self._fleet.refusing.values():
+            counts[served] = counts.get(served, 0) + 1
+        return [((served,), float(n)) for served, n in sorted(counts.items())]
 
     def _regions(self) -> Series:
         table = self._table()

@@ -595,6 +595,9 @@ class State:
     # The create revision of catalog.RESPONSE_ID_OWNERS (RouteTable.
     # response_id_owners_from); 0 until a replica made it.
     response_id_owners_from: int = 0
+    # The fleet's id (catalog.FLEET_ID, RouteTable.fleet_id); "" until a
+    # replica made it.
+    fleet_id: str = ""
 
 
 def encode(value: Any) -> bytes:
@@ -1563,6 +1566,30 @@ def decode_id_keys(raw: bytes) -> tuple[bytes, ...]:
     if not keys or any(len(k) < 16 for k in keys):
         raise ValueError("a response id key is shorter than 16 bytes, or there is none")
     return keys
+
+
+# What a fleet id may be: made as 16 hex digits (catalog.ensure_fleet_id);
+# an operator's `fleet adopt` takes what a proxy names, within these bounds.
+FLEET_ID_RE = re.compile(r"[0-9a-f-]{16,64}")
+
+
+def check_fleet_id(fleet_id: str) -> str:
+    """fleet_id if it is one a proxy may name (FLEET_ID_RE), else InvalidArgument."""
+    if not FLEET_ID_RE.fullmatch(fleet_id):
+        raise InvalidArgument(
+            f"{fleet_id!r} is not a fleet id (16 to 64 characters of 0-9, a-f and '-'): "
+            "take it from a proxy's refusal (`pontoctl get proxies -o json`), its "
+            "ponto_fleet_info metric, or its log"
+        )
+    return fleet_id
+
+
+def decode_fleet_id(raw: bytes) -> str:
+    """The fleet id as stored: {"id": "..."}."""
+    data = orjson.loads(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+        raise ValueError('the fleet id is not {"id": "..."}')
+    return check_fleet_id(data["id"])
 
 
 def decode_purge(raw: bytes, revision: int) -> Purge:

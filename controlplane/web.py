@@ -223,6 +223,7 @@ class StatusWeb:
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         suspensions: Callable[[], Suspensions | None] = lambda: None,
+        fleet_problem: Callable[[], str] = str,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -231,7 +232,9 @@ class StatusWeb:
         """`traffic_every`: how often the replicas write their proxies'
         reports (ProxyRegistry's, --traffic-interval-ms). `suspensions`:
         what is suspended in the state of this replica's latest table
-        (TableBuilder.suspensions), read from memory as the table is."""
+        (TableBuilder.suspensions), read from memory as the table is.
+        `fleet_problem`: what this replica knows of a fleet id lost
+        (FleetWatch.problem), shown first among the fleet warnings."""
         self._catalog = catalog
         self._traffic_every = traffic_every
         self._stale_after = STALE_REPORTS * traffic_every
@@ -246,6 +249,7 @@ class StatusWeb:
         self._metrics = metrics
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._suspensions = suspensions
+        self._fleet_problem = fleet_problem
         self._clock = clock
         # Times of wrong admin tokens: a step of the wall clock must not
         # stretch or end their window.
@@ -443,6 +447,8 @@ class StatusWeb:
             "leader": leader,
             "replicas": sorted(replica_ids),
             "latest_version": latest_version,
+            # The fleet id of this replica's tables (RouteTable.fleet_id).
+            "fleet_id": table.fleet_id,
             "writes": self.writes,
             "writes_off": self._writes_off,
             "now": now,
@@ -476,6 +482,7 @@ class StatusWeb:
             "departed": departed_rows(self._departures.gone(), replica_ids, now),
             # What every Admin write warns of while it lasts (fleetwarnings).
             "fleet_warnings": [
+                *filter(None, [self._fleet_problem()]),
                 *fleet_warnings(proxies),
                 *origin_warnings(
                     (o.name, o.server_kind) for o in table.origins if not o.no_continuation

@@ -736,6 +736,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return apb.GetRouteTableResponse(table=table)
 
     @grpc_errors
+    @audited(auditing.adopt_fleet)
+    async def AdoptFleet(
+        self, request: apb.AdoptFleetRequest, context: Ctx
+    ) -> apb.AdoptFleetResponse:
+        previous = await self._catalog.adopt_fleet(request.fleet_id)
+        auditing.note(previous=previous or "none")
+        return apb.AdoptFleetResponse(fleet_id=request.fleet_id, previous=previous)
+
+    @grpc_errors
     async def ListAudit(self, request: apb.ListAuditRequest, context: Ctx) -> apb.ListAuditResponse:
         if not math.isfinite(request.since) or request.since < 0:
             raise InvalidArgument("since must be a time (Unix seconds), or 0")

@@ -336,6 +336,12 @@ def purge_cache(req: apb.PurgeCacheRequest, _: object) -> Description:
     return f"cache/{tenant}/{model}", {"model": model}
 
 
+def adopt_fleet(req: apb.AdoptFleetRequest, _: object) -> Description:
+    """Target `fleet/ID` (the id adopted); the one it replaced is noted by
+    the call (`previous`), as only the store knows it."""
+    return f"fleet/{req.fleet_id[:64]}", {}
+
+
 # What the per-object changes of an Apply entry may take, and each of them:
 # with the entry's other fields at their bounds (controlplane.audit), the
 # entry stays within MAX_ENTRY_BYTES, so the trail keeps every key written and

@@ -21,6 +21,7 @@ import grpc
 from controlplane.api.errors import grpc_errors
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import InvalidArgument
+from controlplane.fleetid import FleetWatch
 from controlplane.loadsync import LoadHub
 from controlplane.metrics import ControlMetrics
 from controlplane.model import NAME_RE, check_name
@@ -106,12 +107,15 @@ class RoutingService:
         write_timeout: float = 30.0,
         metrics: ControlMetrics | None = None,
         ahead: Callable[[int], Awaitable[bool]] | None = None,
+        fleet: FleetWatch | None = None,
     ) -> None:
         """`ahead(n)` is told of a revision a proxy holds above this
         replica's latest table: it makes what the store hands out from then
         on higher (RebasedStore.ensure_above; etcd went back), and says
-        whether it had to."""
+        whether it had to. `fleet` is told of each answer's fleet id (a
+        proxy refusing the tables as another fleet's)."""
         self._registry = registry
+        self.fleet = fleet if fleet is not None else FleetWatch()
         self._ahead = ahead
         # The highest revision told to `ahead`: told once, not by every proxy.
         self._told_ahead = 0
@@ -377,6 +381,7 @@ class RoutingService:
                     waiter.cancel()
             if self._quotas is not None:
                 self._quotas.forget(name)
+            self.fleet.ended(name)
             # Unregister first and shielded: the handler may itself be
             # cancelled (the peer vanished), and a registration left behind
             # would only go when the replica's lease does.
@@ -436,6 +441,7 @@ class RoutingService:
             if not req.response_nonce:
                 continue
             error = req.error_detail[:1024]
+            self.fleet.answered(name, req.fleet_id[:MAX_FIELD], refused=bool(error))
             if error:
                 log.warning("proxy NACKed push %s: %s", req.response_nonce, error)
                 await self._held(name, req.version_info)

@@ -6,6 +6,12 @@ loses its data (a restore from an old backup is alike: the revision goes
 back); the operator applies the configuration again. Before RebasedStore,
 the proxy refused every table that followed as older than its own (NACK
 "stale table"), until restarted (trial 34, docs/architecture.md Versions).
+
+An etcd that came back empty has lost the fleet id too: the replica makes a
+new one, and the proxy refuses its tables (trial 73: it had applied the empty
+table and served nothing, then, after `apply -f`, anyone without a key) until
+the operator adopts the proxies' fleet id. A restore from a snapshot keeps
+the fleet id, and the proxy takes its tables as before.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import pytest
 
 from controlplane.app import ControlPlane
 from controlplane.errors import Unavailable
-from controlplane.model import Origin, Region
+from controlplane.model import Origin, Region, Tenant
 from controlplane.settings import parse
 from controlplane.store.etcd import EtcdStore
-from dataplane.sync.holder import TableHolder
+from dataplane.sync.holder import ANOTHER_FLEET, WOULD_OPEN, TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto.devenv import Etcd, Managed, find_etcd, free_port, spawn, start_etcd, wait_for_port
 from ponto.v1 import routing_pb2 as pb
@@ -154,13 +160,28 @@ async def held_high(plane: ControlPlane, holder: TableHolder) -> int:
     return holder.routes.version
 
 
-async def fresh_config_reaches(
+async def refused_until_adopted(
     plane: ControlPlane, holder: TableHolder, link: ControlPlaneClient, before: int
 ) -> None:
+    """The configuration applied again to an etcd that came back empty: the
+    proxy refuses it as another fleet's, and keeps its table, until the
+    operator adopts the fleet id it serves."""
+    served, held = holder.fleet_id, models_of(holder)
+    assert served
     await configure(plane, ("m-new",))
-    await until(lambda: models_of(holder) == {"m-new"}, "the configuration applied again")
+    await until(lambda: holder.refused.get(ANOTHER_FLEET, 0) > 0, "the new fleet's table refused")
+    await until(lambda: plane.fleet.refusing == {"p1": served}, "the replica hears of it")
+    assert plane.publisher.latest is not None
+    assert plane.publisher.latest.table.fleet_id not in ("", served)
+    assert models_of(holder) == held
+    assert served in plane.fleet.problem()
+    nacks = link.nacks
+    assert await plane.catalog.adopt_fleet(served) == plane.publisher.latest.table.fleet_id
+    await until(lambda: models_of(holder) == {"m-new"}, "the configuration, adopted")
     assert holder.routes is not None and holder.routes.version > before
-    assert link.nacks == 0
+    assert holder.fleet_id == served and link.nacks == nacks
+    await until(lambda: not plane.fleet.refusing, "the replica hears the proxy took it")
+    assert plane.fleet.problem() == ""
 
 
 async def test_a_replica_running_through_the_loss_numbers_on_from_where_it_was(
@@ -169,10 +190,48 @@ async def test_a_replica_running_through_the_loss_numbers_on_from_where_it_was(
     plane = await fleet.start_plane()
     async with proxy(fleet.port) as (holder, link):
         before = await held_high(plane, holder)
+        served = holder.fleet_id
         fleet.lose_etcd_data()
         # The replica's watches notice etcd went back and raise the base.
         await until(lambda: plane.store.base > 0, "the base raised")
-        await fresh_config_reaches(plane, holder, link, before)
+        await until(lambda: plane.fleet.replaced == served, "the replica says the fleet is lost")
+        await refused_until_adopted(plane, holder, link, before)
+
+
+async def test_trial_73_a_closed_fleet_whose_etcd_came_back_empty_stays_served_and_closed(
+    fleet: Fleet,
+) -> None:
+    """kill -9 etcd, its data dir deleted, an empty etcd on the same address
+    (a StatefulSet that lost its volume claims). The replica publishes the
+    empty state, numbered above the proxy: refused (another fleet), and the
+    proxy serves its table and its keys. The runbook: apply the configuration
+    (no keys in it), adopt the proxies' fleet id: the table would open the
+    proxy, refused; keys made again close it, and the proxy takes it."""
+    plane = await fleet.start_plane()
+    async with proxy(fleet.port) as (holder, link):
+        await plane.catalog.put_tenant(Tenant("acme"), allow_update=False)
+        await plane.catalog.create_key("acme")
+        before = await held_high(plane, holder)
+        served = holder.fleet_id
+        assert holder.closed
+        assert holder.policy is not None and not holder.policy.authenticator.open
+        fleet.lose_etcd_data()
+        await until(lambda: holder.refused.get(ANOTHER_FLEET, 0) > 0, "the empty table refused")
+        assert models_of(holder) == {"m-old", "m-filler"}
+        assert holder.policy is not None and not holder.policy.authenticator.open
+        assert plane.fleet.replaced == served
+        await configure(plane, ("m-new",))
+        await plane.catalog.adopt_fleet(served)
+        await until(lambda: holder.refused.get(WOULD_OPEN, 0) > 0, "the open table refused")
+        assert models_of(holder) == {"m-old", "m-filler"} and holder.closed
+        await plane.catalog.put_tenant(Tenant("acme"), allow_update=False)
+        await plane.catalog.create_key("acme")
+        await until(lambda: models_of(holder) == {"m-new"}, "the closed table taken")
+        assert holder.closed and holder.fleet_id == served
+        assert holder.routes is not None and holder.routes.version > before
+        await until(lambda: not plane.fleet.refusing, "the replica hears the proxy took it")
+        assert not plane.fleet.replaced
+        assert link.nacks == sum(holder.refused.values())
 
 
 async def test_a_replica_started_after_the_loss_learns_from_the_proxies(
@@ -191,8 +250,10 @@ async def test_a_replica_started_after_the_loss_learns_from_the_proxies(
     fleet.lose_etcd_data()
     plane = await fleet.start_plane()
     await until(lambda: plane.publisher.latest is not None, "a table of the empty etcd")
+    # It never served the fleet the proxy serves: only the proxy's refusal says it.
+    assert not plane.fleet.replaced
     async with proxy(fleet.port, holder, loads_generation=before + 5000) as (_, link):
-        await fresh_config_reaches(plane, holder, link, before)
+        await refused_until_adopted(plane, holder, link, before)
         assert (await plane.store.list("/ponto/")).revision > before + 5000
 
 
@@ -206,6 +267,10 @@ async def test_after_a_restore_from_a_snapshot_objects_kept_from_it_can_be_edite
     every edit of it conflicted for good), and the proxy takes the table."""
     plane = await fleet.start_plane()
     await configure(plane, ("m-kept",))
+    # A snapshot of a fleet that served: its first table made the fleet's
+    # Responses id key and its fleet id (one taken before holds neither, and
+    # its restore is another fleet's).
+    await until(lambda: plane.publisher.latest is not None, "the first table")
     backup = tmp_path / "backup.db"
     subprocess.run(
         [tool("etcdctl"), "--endpoints", fleet.etcd.url, "snapshot", "save", str(backup)],
@@ -214,6 +279,7 @@ async def test_after_a_restore_from_a_snapshot_objects_kept_from_it_can_be_edite
     )
     async with proxy(fleet.port) as (holder, link):
         before = await held_high(plane, holder)
+        served = holder.fleet_id
         fleet.lose_etcd_data(backup)
         await until(lambda: plane.store.base > 0, "the base raised")
         await until(lambda: models_of(holder) == {"m-kept"}, "the table of the snapshot")
@@ -225,6 +291,8 @@ async def test_after_a_restore_from_a_snapshot_objects_kept_from_it_can_be_edite
         await until(lambda: models_of(holder) == {"m-edited"}, "the edit reaches the proxy")
         assert holder.routes is not None and holder.routes.version > before
         assert link.nacks == 0
+        # The snapshot holds the fleet id: the same fleet, nothing to adopt.
+        assert holder.fleet_id == served and not plane.fleet.replaced
         [edited] = [r for r in await plane.catalog.list_regions() if r.name == "east"]
         assert (kept.latitude, edited.latitude) == (40.7, 51.5)
 
@@ -379,6 +447,8 @@ async def test_a_three_member_cluster_restored_by_the_runbook_serves_the_snapsho
         plane = ControlPlane(settings, store)
         await plane.start()
         await configure(plane, ("m-kept",))
+        # A fleet that served (see test_after_a_restore_from_a_snapshot_...).
+        await until(lambda: plane is not None and plane.publisher.latest is not None, "a table")
         backup = tmp_path / "backup.db"
         # Back up, and verify.
         etcd_tool(tool("etcdctl"), "--endpoints", members[0].url, "snapshot", "save", str(backup))

@@ -64,6 +64,8 @@ CONTRACT = {
     "ponto_control_admin_calls": ("counter", {"method", "code"}),
     "ponto_control_routing_refusals": ("counter", {"method", "code"}),
     "ponto_control_info": ("gauge", {"replica", "version"}),
+    "ponto_control_fleet_replaced": ("gauge", set()),
+    "ponto_control_proxies_other_fleet": ("gauge", {"fleet_id"}),
     # prometheus_client's process and platform collectors
     "process_virtual_memory_bytes": ("gauge", set()),
     "process_resident_memory_bytes": ("gauge", set()),

@@ -1,0 +1,107 @@
+"""`pontoctl fleet adopt` (Admin AdoptFleet): the store's fleet id made the
+one the proxies serve, audited; a fleet id that is not one is refused. And
+what the control plane says when its fleet id was lost: FleetWatch, its
+metrics and the status page."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from controlplane.catalog import FLEET_ID, Catalog
+from controlplane.cli import _parser, run
+from controlplane.fleetid import FleetWatch
+from controlplane.metrics import ControlMetrics
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import admin_pb2 as apb
+from tests.unit.test_audit import Clock, admin_server
+
+SERVED = "0123456789abcdef"
+
+
+async def test_adopt_sets_the_stored_fleet_id_and_is_audited() -> None:
+    store, clock = MemoryStore(), Clock()
+    await Catalog(store).ensure_fleet_id(())
+    made = (await Catalog(store).snapshot()).fleet_id
+    async with admin_server(store, clock) as stub:
+        answer = await stub.AdoptFleet(apb.AdoptFleetRequest(fleet_id=SERVED))
+        assert (answer.fleet_id, answer.previous) == (SERVED, made)
+        assert (await Catalog(store).snapshot()).fleet_id == SERVED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.AdoptFleet(apb.AdoptFleetRequest(fleet_id="not a fleet"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not a fleet id" in (refused.value.details() or "")
+        entries = (await stub.ListAudit(apb.ListAuditRequest())).entries
+    assert (await Catalog(store).snapshot()).fleet_id == SERVED
+    refusal, adoption = entries  # newest first
+    assert (adoption.action, adoption.target, adoption.result) == (
+        "AdoptFleet",
+        f"fleet/{SERVED}",
+        "ok",
+    )
+    assert dict(adoption.detail) == {"previous": made}
+    assert refusal.result == "INVALID_ARGUMENT"
+
+
+async def test_adopt_over_a_store_without_a_fleet_id_creates_it() -> None:
+    store = MemoryStore()
+    assert await Catalog(store).adopt_fleet(SERVED) == ""
+    stored = await store.get(FLEET_ID)
+    assert stored is not None and SERVED in stored.value.decode()
+    # A replica's first build now finds it, and makes none.
+    assert await Catalog(store).ensure_fleet_id(()) == ""
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.requests: list[apb.AdoptFleetRequest] = []
+
+    def AdoptFleet(self, req: apb.AdoptFleetRequest) -> apb.AdoptFleetResponse:
+        self.requests.append(req)
+        return apb.AdoptFleetResponse(fleet_id=req.fleet_id, previous="fedcba9876543210")
+
+
+def test_pontoctl_fleet_adopt_says_what_it_replaced() -> None:
+    stub = Stub()
+    out = run(_parser().parse_args(["fleet", "adopt", SERVED]), stub)
+    assert stub.requests == [apb.AdoptFleetRequest(fleet_id=SERVED)]
+    assert str(out).startswith(f"the fleet id is {SERVED} now (was fedcba9876543210)")
+
+
+def test_a_replica_that_made_a_new_fleet_id_after_serving_another_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    watch = FleetWatch()
+    metrics = ControlMetrics()
+    metrics.bind(table=lambda: None, acked_versions=tuple, is_leader=lambda: False, fleet=watch)
+    watch.made("aaaaaaaaaaaaaaaa", "")  # the fleet's first: no alarm
+    watch.published("aaaaaaaaaaaaaaaa")
+    assert watch.problem() == ""
+    with caplog.at_level(logging.INFO, logger="controlplane.fleetid"):
+        watch.made("bbbbbbbbbbbbbbbb", "aaaaaaaaaaaaaaaa")
+        watch.published("bbbbbbbbbbbbbbbb")
+        for _ in range(3):  # every push refused: one ERROR
+            watch.answered("p1", "aaaaaaaaaaaaaaaa", refused=True)
+        watch.answered("p2", "aaaaaaaaaaaaaaaa", refused=True)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert "pontoctl fleet adopt aaaaaaaaaaaaaaaa" in errors[0]
+    assert errors[1].startswith("proxy p1 serves fleet aaaaaaaaaaaaaaaa and refuses")
+    assert "2 proxies refuse its route tables" in watch.problem()
+    text = generate_latest(metrics.registry).decode()
+    assert "ponto_control_fleet_replaced 1.0" in text
+    assert 'ponto_control_proxies_other_fleet{fleet_id="aaaaaaaaaaaaaaaa"} 2.0' in text
+    # An older proxy says no fleet; a NACK for another reason is no refusal of the fleet.
+    watch.answered("p3", "", refused=True)
+    assert set(watch.refusing) == {"p1", "p2"}
+    # Adopted: the tables are the proxies' fleet's again, and they take them.
+    watch.published("aaaaaaaaaaaaaaaa")
+    watch.answered("p1", "aaaaaaaaaaaaaaaa", refused=False)
+    watch.ended("p2")
+    assert watch.problem() == "" and watch.refusing == {}
+    text = generate_latest(metrics.registry).decode()
+    assert "ponto_control_fleet_replaced 0.0" in text
+    assert "ponto_control_proxies_other_fleet{" not in text
