@@ -113,6 +113,9 @@ class TableBuilder:
             log.warning("%s; numbered above it now", below)
             return False
         table = compile_table(state)
+        if table.auth_required and not state.auth_ever:
+            # Its write wakes the builders; the table they compile is the same.
+            await self._catalog.mark_auth_required()
         self.suspensions = of_state(state)
         snap = self._publisher.publish(table)
         if snap is not None:

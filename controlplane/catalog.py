@@ -135,6 +135,10 @@ RESPONSE_ID_KEY_BYTES = 32
 # the proxies of the old one refuse (dataplane.sync.holder).
 FLEET_ID = STATE_PREFIX + "fleet-id"
 FLEET_ID_BYTES = 8
+# Made once, empty, by the builder when a table first requires auth: removing
+# the last JWT issuer (tenant delete, an apply without its jwt block) must not
+# open a fleet, as revoking the last key does not (revoked keys stay stored).
+AUTH_REQUIRED = STATE_PREFIX + "auth-required"
 MAX_PURGES = 64
 PROXIES = ROOT + "proxies/"
 REPLICAS = ROOT + "replicas/"
@@ -239,6 +243,7 @@ class Catalog:
         id_keys: tuple[bytes, ...] = ()
         owners_from = 0
         fleet_id = ""
+        auth_ever = False
         for kv in listing.items:
             try:
                 if kv.key.startswith(REGIONS):
@@ -266,6 +271,8 @@ class Catalog:
                     owners_from = kv.create_revision
                 elif kv.key == FLEET_ID:
                     fleet_id = decode_fleet_id(kv.value)
+                elif kv.key == AUTH_REQUIRED:
+                    auth_ever = True
             except (ValueError, TypeError, KeyError, AttributeError, InvalidArgument) as exc:
                 # AttributeError: a field of the wrong JSON type met a method
                 # (a tenant's "prompt": [1]; review: it stopped the builder).
@@ -283,6 +290,7 @@ class Catalog:
             id_keys,
             owners_from,
             fleet_id,
+            auth_ever,
         )
 
     async def ensure_response_id_key(self) -> None:
@@ -316,6 +324,15 @@ class Catalog:
         except Conflict:
             return ""
         return fleet_id
+
+    async def mark_auth_required(self) -> None:
+        """Mark, once, that the fleet has required auth (AUTH_REQUIRED,
+        created only if absent). Called by the builder."""
+        try:
+            await _guard(self.store.put(AUTH_REQUIRED, b"", if_absent=True))
+        except Conflict:
+            return
+        log.info("marked that the fleet requires auth from now on (%s)", AUTH_REQUIRED)
 
     async def adopt_fleet(self, fleet_id: str) -> str:
         """Make the stored fleet id `fleet_id` (the one proxies serve, which

@@ -109,7 +109,12 @@ def compile_table(state: State) -> pb.RouteTable:
         for k in sorted(state.keys, key=lambda k: k.id)
         if not k.revoked and k.tenant in tenants
     )
-    table.auth_required = bool(state.keys) or any(t.jwt is not None for t in state.tenants)
+    # Revoked keys stay stored (keys are never deleted); an issuer does not,
+    # so the store marks that one was there (state.auth_ever): a proxy whose
+    # table requires auth refuses one that does not (dataplane.sync.holder).
+    table.auth_required = (
+        bool(state.keys) or any(t.jwt is not None for t in state.tenants) or state.auth_ever
+    )
     # A tenant's birth is a purge of its name at its record's create revision:
     # a tenant made again under a deleted one's name is answered from nothing
     # the first one left (in a proxy's store, the region's Redis, the semantic

@@ -598,6 +598,9 @@ class State:
     # The fleet's id (catalog.FLEET_ID, RouteTable.fleet_id); "" until a
     # replica made it.
     fleet_id: str = ""
+    # The fleet has had a JWT issuer or a key (catalog.AUTH_REQUIRED): its
+    # tables require auth even once the last issuer is gone.
+    auth_ever: bool = False
 
 
 def encode(value: Any) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.http.refusals import refusals
+from dataplane.http.state import HOLDER
 from ponto.originsim.app import SimConfig
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_model_access import (
@@ -106,6 +107,9 @@ async def test_lifting_it_serves_them_with_their_limits_untouched(stack: Stack) 
 async def test_an_open_fleets_callers_are_refused_when_tenant_default_is_suspended(
     stack: Stack,
 ) -> None:
+    # As a proxy with no table yet: the stack's first table requires a key,
+    # and a table that would open a closed proxy is refused (holder.refusal).
+    stack.app[HOLDER].routes = None
     apply(stack, 4, [pb.Tenant(name="default", suspended=True)])
     before = stack.origin_requests()
     resp = await stack.client.post("/v1/chat/completions", json=chat("hi"))

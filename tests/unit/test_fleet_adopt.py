@@ -1,7 +1,8 @@
 """`pontoctl fleet adopt` (Admin AdoptFleet): the store's fleet id made the
-one the proxies serve, audited; a fleet id that is not one is refused. And
-what the control plane says when its fleet id was lost: FleetWatch, its
-metrics and the status page."""
+one the proxies serve, audited; a fleet id that is not one is refused. What
+the control plane says when its fleet id was lost: FleetWatch and its
+metrics. And no table of the control plane's opens a fleet that required
+auth, which proxies would refuse."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from controlplane.builder import TableBuilder
 from controlplane.catalog import FLEET_ID, Catalog
 from controlplane.cli import _parser, run
+from controlplane.distribute import Publisher
 from controlplane.fleetid import FleetWatch
 from controlplane.metrics import ControlMetrics
+from controlplane.model import JwtIssuer, Tenant
 from controlplane.store.memory import MemoryStore
 from ponto.v1 import admin_pb2 as apb
 from tests.unit.test_audit import Clock, admin_server
@@ -24,6 +28,7 @@ SERVED = "0123456789abcdef"
 
 async def test_adopt_sets_the_stored_fleet_id_and_is_audited() -> None:
     store, clock = MemoryStore(), Clock()
+    clock.step = 0.001  # an entry per reading, in the order of the calls
     await Catalog(store).ensure_fleet_id(())
     made = (await Catalog(store).snapshot()).fleet_id
     async with admin_server(store, clock) as stub:
@@ -105,3 +110,26 @@ def test_a_replica_that_made_a_new_fleet_id_after_serving_another_says_so(
     text = generate_latest(metrics.registry).decode()
     assert "ponto_control_fleet_replaced 0.0" in text
     assert "ponto_control_proxies_other_fleet{" not in text
+
+
+async def test_a_fleet_that_had_a_jwt_issuer_stays_closed_once_it_is_gone() -> None:
+    """The one path by which a table that required auth could stop requiring
+    it (revoked keys stay stored; an issuer does not): the proxies would now
+    refuse that table, so the control plane keeps it closed."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub)
+    jwt = JwtIssuer(
+        issuer="https://idp.example", algorithms=("HS256",), hs256_secret_env="PONTO_TEST_SECRET"
+    )
+    await catalog.put_tenant(Tenant("acme", jwt=jwt), allow_update=False)
+    await builder.build_once()
+    assert pub.latest is not None and pub.latest.table.auth_required
+    await catalog.put_tenant(Tenant("acme"), allow_update=True)
+    await builder.build_once()
+    assert (await catalog.snapshot()).auth_ever
+    assert pub.latest.table.auth_required
+    await catalog.delete_tenant("acme")
+    await builder.build_once()
+    assert pub.latest.table.auth_required and not pub.latest.table.tenants
