@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -139,6 +140,12 @@ class Fleet:
                 peer_port=old.peer_port,
             )
         else:
+            # A new etcd is a new fleet (a new fleet id): the proxies' state
+            # directories an earlier run left in a reused workdir hold the old
+            # fleet's table, after which they would refuse every table of
+            # this one (dataplane.sync.holder).
+            for stale in self.workdir.glob("*-state"):
+                shutil.rmtree(stale, ignore_errors=True)
             self.etcd = start_etcd(self.workdir)
         return self.etcd
 
