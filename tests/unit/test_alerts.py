@@ -28,6 +28,7 @@ DAYLONG = ROOT / "tests" / "alerts" / "ponto-alerts-daylong.test.yaml"
 ALERTS = {
     "PontoProxyStaleTable",
     "PontoProxyNoControlPlane",
+    "PontoProxyRefusesTables",
     "PontoProxyDown",
     "PontoOriginDown",
     "PontoOriginFailing",
