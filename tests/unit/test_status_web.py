@@ -26,6 +26,7 @@ from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.ejections import STALE_S
 from controlplane.errors import Unavailable
+from controlplane.fleetid import FleetWatch
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
 from controlplane.settings import parse
@@ -1716,3 +1717,26 @@ async def test_the_replicas_page_shows_what_its_builder_read_as_suspended() -> N
     [acme] = (await plane.web.status(1_000.0))["suspended"]["tenants"]
     assert (acme["name"], acme["reason"]) == ("acme", "")
     assert acme["since"] is not None  # the catalog's clock when it was suspended
+
+
+async def test_a_lost_fleet_id_is_the_first_fleet_warning(plane: Plane) -> None:
+    """A replica that made a new fleet id after serving another (its etcd came
+    back empty), and proxies refusing its tables: said first, with the fleet
+    id of its tables (docs/operations.md, "etcd came back empty")."""
+    watch = FleetWatch()
+    watch.published("aaaaaaaaaaaaaaaa")
+    watch.made("bbbbbbbbbbbbbbbb", "aaaaaaaaaaaaaaaa")
+    watch.published("bbbbbbbbbbbbbbbb")
+    watch.answered("p-eu", "aaaaaaaaaaaaaaaa", refused=True)
+    assert plane.publisher.latest is not None
+    table = pb.RouteTable()
+    table.CopyFrom(plane.publisher.latest.table)
+    table.version, table.etag, table.fleet_id = 8, "e8", "bbbbbbbbbbbbbbbb"
+    plane.publisher.publish(table)
+    web = web_of(plane, fleet_problem=watch.problem)
+    async with TestClient(TestServer(web.app())) as c:
+        status = await (await c.get("/api/status")).json()
+    first = status["fleet_warnings"][0]
+    assert first.startswith("this replica made fleet id bbbbbbbbbbbbbbbb for a store without one")
+    assert "1 proxies refuse its route tables" in first and "pontoctl fleet adopt" in first
+    assert status["fleet_id"] == "bbbbbbbbbbbbbbbb"
