@@ -113,6 +113,10 @@ async def healthz(request: web.Request) -> web.Response:
             "route_table_version": routes.version if routes else 0,
             "route_table_etag": routes.etag if routes else "",
             "route_table_source": holder.source,
+            # The fleet of the tables served, which `pontoctl fleet adopt`
+            # takes, and the tables the guard refused (dataplane.sync.holder).
+            "fleet_id": holder.fleet_id,
+            "route_tables_refused": dict(holder.refused),
             "control_plane_connected": client.connected,
             # The rate-limit shares held: a saved copy's until the leader's come.
             "quota_generation": quota.generation,
