@@ -139,13 +139,15 @@ class TableHolder:
         Raises TableError for a table it refuses (TableRefused for one of
         another fleet, or one that would open a closed proxy)."""
         current = self.routes
-        if source == "control-plane":
-            self.received_at = time.time()
         if current is not None:
             refused = refusal(self.fleet_id, self.closed, table)
             if refused is not None:
+                # Not received_at: the age of the table served goes on, as no
+                # table this proxy may serve came.
                 self._refused(refused, table)
                 raise refused
+        if source == "control-plane":
+            self.received_at = time.time()
             if (
                 current is not None
                 and self.source == "control-plane"

@@ -57,9 +57,12 @@ def test_a_table_of_another_fleet_is_refused_and_the_table_served_stays(
 ) -> None:
     holder = TableHolder("us-east", tmp_path)
     holder.apply(table(5, models=3), CP)
+    holder.received_at = 1000.0
     # What a replica whose etcd came back empty publishes: a new fleet id,
     # numbered above what proxies hold (RebasedStore), open and empty.
     error = refused(holder, table(900, fleet=NEW, closed=False, models=0))
+    # The served table's age goes on (ponto_route_table_age_seconds).
+    assert holder.received_at == 1000.0
     assert error.reason == ANOTHER_FLEET
     assert isinstance(error, TableError)  # the link NACKs it
     assert str(error).startswith(f"another fleet's table (fleet {NEW}; this proxy serves")
