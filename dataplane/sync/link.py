@@ -462,6 +462,11 @@ class ControlPlaneClient:
                 asyncio.create_task(send()),
                 asyncio.create_task(self._report(reg.session_id, outbox)),
             )
+            # Set once a table of this stream is another fleet's (the replica's
+            # etcd lost its state, or is another): its quota shares and origin
+            # loads are that fleet's too, computed without this proxy's
+            # limits, and are not applied (the last ones stand).
+            foreign = ""
             try:
                 async for update in call:
                     # The stream is open at the control plane: its end removes
@@ -471,13 +476,16 @@ class ControlPlaneClient:
                     # hangs held the stop up to its deadline).
                     self._registration = None
                     self.connected = True
+                    if update.HasField("table"):
+                        got_table = True
+                        outbox.put_nowait(self._handle(reg.session_id, update))
+                        foreign = self._foreign(update.table, address, foreign)
+                    if foreign:
+                        continue
                     if update.HasField("quota"):
                         self._apply_quota(update.quota)
                     if update.HasField("loads"):
                         self._apply_loads(update.loads)
-                    if update.HasField("table"):
-                        got_table = True
-                        outbox.put_nowait(self._handle(reg.session_id, update))
             finally:
                 for task in tasks:
                     task.cancel()
@@ -485,6 +493,21 @@ class ControlPlaneClient:
                 # the call did (said by run()).
                 await asyncio.gather(*tasks, return_exceptions=True)
         return got_table
+
+    def _foreign(self, table: pb.RouteTable, address: str, was: str) -> str:
+        """The fleet id of `table` if it is another fleet's than the one
+        served (the holder refused it), else ""; said once per stream."""
+        served = self._holder.fleet_id
+        foreign = table.fleet_id if served and table.fleet_id not in ("", served) else ""
+        if foreign and not was:
+            log.warning(
+                "control plane at %s serves fleet %s, not this proxy's (%s): its quota "
+                "shares and origin loads are not applied either",
+                address,
+                foreign,
+                served,
+            )
+        return foreign
 
     def _apply_quota(self, quota: pb.QuotaShares) -> None:
         if quota.generation and quota.generation < self.quota_generation:

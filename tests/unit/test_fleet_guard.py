@@ -5,9 +5,12 @@ and NACKed with the fleet the proxy serves."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 
@@ -17,6 +20,7 @@ from dataplane.sync.holder import ANOTHER_FLEET, WOULD_OPEN, TableHolder, TableR
 from dataplane.sync.link import ControlPlaneClient
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_link_loads import ScriptedRouting, loads
 
 CP = "control-plane"
 OURS = "0123456789abcdef"
@@ -178,3 +182,44 @@ def test_the_nack_names_the_fleet_served_and_the_metrics_count_it(tmp_path: Path
     text = generate_latest(metrics.registry).decode()
     assert 'ponto_route_table_refused_total{reason="another_fleet"} 1.0' in text
     assert f'ponto_fleet_info{{fleet_id="{OURS}"}} 1.0' in text
+
+
+async def test_a_replica_of_another_fleet_gives_no_quota_shares_or_loads() -> None:
+    """Its leader computed them from a state without this proxy's limits
+    (an empty etcd): the last ones stand, as the table does."""
+    script = [
+        pb.RouteUpdate(table=table(900, fleet=NEW, closed=False), nonce="1"),
+        pb.RouteUpdate(quota=pb.QuotaShares(generation=950)),
+        loads(960, 9.0),
+        pb.RouteUpdate(table=table(901, models=2), nonce="2"),  # adopted
+        pb.RouteUpdate(quota=pb.QuotaShares(generation=970)),
+        loads(980, 1.0),
+    ]
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((ScriptedRouting(script).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    holder = TableHolder("us-east", None)
+    holder.apply(table(5), CP)
+    quotas: list[int] = []
+    got: list[int] = []
+    link = ControlPlaneClient(
+        holder,
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="us-east", address="127.0.0.1:9", version="test"),
+        on_quota=lambda q: quotas.append(q.generation),
+        on_loads=lambda pushed: got.append(pushed.generation),
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(5.0):
+            while not got:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    assert holder.routes is not None and holder.routes.version == 901
+    assert (quotas, got) == ([970], [980])
+    assert link.nacks == 1
