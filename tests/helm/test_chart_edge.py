@@ -229,6 +229,7 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
     names = {r["alert"] for r in rules}
     assert names == {
         "PontoProxyNoControlPlane",
+        "PontoProxyRefusesTables",
         "PontoProxyDown",
         "PontoOriginFailing",
         "PontoOriginCuttingStreams",
