@@ -6,6 +6,7 @@ Proxies know all three replica addresses; clients load them throughout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -33,9 +34,9 @@ LEADER_TTL = 3
 REPLICAS = ("cp-1", "cp-2", "cp-3")
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    with Fleet(tmp_path) as f:
+@contextlib.contextmanager
+def started(workdir: Path) -> Iterator[Fleet]:
+    with Fleet(workdir) as f:
         f.secure()
         f.start_etcd()
         for name in REPLICAS:
@@ -47,6 +48,22 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         for proxy in ("p1", "p2"):
             f.start_proxy(proxy, "us-east")
         f.wait_proxies_at(version)
+        yield f
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """A fleet of the test's own: the test kills or hangs a replica."""
+    with started(tmp_path) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One fleet for the tests that stop nothing (about 3 s a start saved for
+    each but the first). A test that changes its state puts it back; they come
+    last, so that it never runs beside a fleet of another test's."""
+    with started(tmp_path_factory.mktemp("ha")) as f:
         yield f
 
 
@@ -65,19 +82,6 @@ def wait_leader(fleet: Fleet, other_than: str, timeout: float) -> tuple[str, flo
             return now, time.monotonic() - started
         time.sleep(0.05)
     raise AssertionError(f"no new leader within {timeout}s")
-
-
-def test_replicas_are_listed_with_one_leader(fleet: Fleet) -> None:
-    resp = fleet.admin().ListControlPlanes(apb.ListRequest(), timeout=5)
-    assert sorted(r.id for r in resp.replicas) == sorted(REPLICAS)
-    assert [r.id for r in resp.replicas if r.leader] == [resp.leader]
-    # Each says its build (trial 69: a rolling upgrade could not be followed).
-    assert {r.version for r in resp.replicas} == {software_version()}
-    assert all(tuple(r.features) == FEATURES for r in resp.replicas)
-    proxies = fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
-    assert proxies and {p.info.version for p in proxies} == {software_version()}
-    # And what they enforce of the settings only some builds know.
-    assert all(tuple(p.info.features) == FEATURES for p in proxies)
 
 
 def test_killing_the_leader_hands_over_within_the_ttl_and_no_request_fails(
@@ -141,22 +145,36 @@ def test_a_hung_replicas_proxies_move_and_get_what_changed_meanwhile(fleet: Flee
         fleet.controls[victim] = hung
 
 
+# The tests below share one fleet (whole), started after the ones above.
+def test_replicas_are_listed_with_one_leader(whole: Fleet) -> None:
+    resp = whole.admin().ListControlPlanes(apb.ListRequest(), timeout=5)
+    assert sorted(r.id for r in resp.replicas) == sorted(REPLICAS)
+    assert [r.id for r in resp.replicas if r.leader] == [resp.leader]
+    # Each says its build (trial 69: a rolling upgrade could not be followed).
+    assert {r.version for r in resp.replicas} == {software_version()}
+    assert all(tuple(r.features) == FEATURES for r in resp.replicas)
+    proxies = whole.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+    assert proxies and {p.info.version for p in proxies} == {software_version()}
+    # And what they enforce of the settings only some builds know.
+    assert all(tuple(p.info.features) == FEATURES for p in proxies)
+
+
 def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
-    fleet: Fleet,
+    whole: Fleet,
 ) -> None:
     # The control plane accepts the path; the proxies cannot read the file. This
     # made every proxy refuse (NACK) every table until the tenant was deleted.
     jwt_issuer = pb.JwtIssuer(issuer="https://x.example", jwks_file="/nonexistent/jwks.json")
-    fleet.admin().PutTenant(
+    whole.admin().PutTenant(
         apb.PutTenantRequest(tenant=pb.Tenant(name="broken", jwt=jwt_issuer)), timeout=5
     )
-    key = fleet.admin().CreateKey(apb.CreateKeyRequest(tenant="broken"), timeout=5)
+    key = whole.admin().CreateKey(apb.CreateKeyRequest(tenant="broken"), timeout=5)
     # The proxies apply the table: a key created after the tenant works.
-    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(k.id == key.key.id for k in t.keys)))
+    whole.wait_proxies_at(whole.wait_table(lambda t: any(k.id == key.key.id for k in t.keys)))
     deadline = time.monotonic() + 10
     warnings: dict[str, list[str]] = {}
     while time.monotonic() < deadline and len(warnings) < 2:
-        listed = fleet.admin().ListProxies(apb.ListRequest(), timeout=5)
+        listed = whole.admin().ListProxies(apb.ListRequest(), timeout=5)
         warnings = {p.info.name: list(p.warnings) for p in listed.proxies if p.warnings}
         time.sleep(0.1)
     assert set(warnings) == {"p1", "p2"}, warnings
@@ -166,7 +184,7 @@ def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
 
     def chat(credential: str) -> httpx.Response:
         return httpx.post(
-            fleet.proxy_url("p1") + "/chat/completions",
+            whole.proxy_url("p1") + "/chat/completions",
             json={"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]},
             headers={"authorization": f"Bearer {credential}"},
             timeout=10,
@@ -181,19 +199,19 @@ def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
     refused = chat(token)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "auth_unavailable"
-    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    metrics = httpx.get(f"http://{whole.proxies['p1'].address}/metrics", timeout=5).text
     assert 'ponto_jwt_config_unavailable{tenant="broken"} 1.0' in metrics
     assert "ponto_route_table_nacks_total 0.0" in metrics
     # An operator's write hears of it.
-    _, call = fleet.admin().DrainOrigin.with_call(
+    _, call = whole.admin().DrainOrigin.with_call(
         apb.DrainRequest(name="o1", drained=False), timeout=5
     )
     said = [v for k, v in call.trailing_metadata() or () if k == WARNING_METADATA]
     assert said == [f"proxies p1, p2 report: {warning}"], said
     # Fixing the state clears it.
-    fleet.admin().RevokeKey(apb.KeyRequest(id=key.key.id), timeout=5)
-    fleet.admin().DeleteTenant(apb.DeleteRequest(name="broken"), timeout=5)
-    fleet.wait_proxies_at(fleet.wait_table(lambda t: not t.tenants))
+    whole.admin().RevokeKey(apb.KeyRequest(id=key.key.id), timeout=5)
+    whole.admin().DeleteTenant(apb.DeleteRequest(name="broken"), timeout=5)
+    whole.wait_proxies_at(whole.wait_table(lambda t: not t.tenants))
     assert chat(token).status_code == 401
 
 
@@ -201,10 +219,10 @@ def _address(fleet: Fleet) -> str:
     return next(m.address for m in fleet.controls.values() if m.alive())
 
 
-def test_calls_without_the_right_credential_are_refused(fleet: Fleet) -> None:
-    b = fleet.security
+def test_calls_without_the_right_credential_are_refused(whole: Fleet) -> None:
+    b = whole.security
     assert b is not None
-    address = _address(fleet)
+    address = _address(whole)
     proxy_creds = ClientOptions(b.ca, b.path("proxy.crt"), b.path("proxy.key"))
     bootstrap = read_secret(b.bootstrap_token_file, "bootstrap token")
     info = pb.ProxyInfo(name="intruder", region="us-east", address="1.2.3.4:1")
@@ -244,7 +262,7 @@ def test_calls_without_the_right_credential_are_refused(fleet: Fleet) -> None:
         reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert "intruder" not in {
-        p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
+        p.info.name for p in whole.admin().ListProxies(apb.ListRequest(), timeout=5).proxies
     }
 
     # No client certificate: the TLS handshake fails, whatever the token.
@@ -259,23 +277,23 @@ def test_calls_without_the_right_credential_are_refused(fleet: Fleet) -> None:
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_a_proxy_without_the_bootstrap_token_never_joins(fleet: Fleet) -> None:
-    b = fleet.security
+def test_a_proxy_without_the_bootstrap_token_never_joins(whole: Fleet) -> None:
+    b = whole.security
     assert b is not None
-    empty = fleet.workdir / "empty.token"
+    empty = whole.workdir / "empty.token"
     empty.write_text("wrong-token\n")
-    fleet.start_proxy(
+    whole.start_proxy(
         "rogue",
         "us-east",
         extra=["--bootstrap-token-file", str(empty)],
     )
     time.sleep(1.5)
-    names = {p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
+    names = {p.info.name for p in whole.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
     assert "rogue" not in names
-    status = fleet.proxy_status("rogue")
+    status = whole.proxy_status("rogue")
     assert status["route_table_version"] == 0
-    assert "UNAUTHENTICATED" in (fleet.workdir / "rogue.log").read_text()
+    assert "UNAUTHENTICATED" in (whole.workdir / "rogue.log").read_text()
     assert (
         Path(b.bootstrap_token_file).read_text().strip()
-        not in (fleet.workdir / "rogue.log").read_text()
+        not in (whole.workdir / "rogue.log").read_text()
     )
