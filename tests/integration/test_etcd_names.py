@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +149,8 @@ def test_the_names_resolve_only_in_the_namespace() -> None:
 
 @pytest.fixture
 def etcd_ip(request: pytest.FixtureRequest) -> tuple[str, int]:
-    """IPv4 address and port of the session etcd (see test_store_contract for the warnings)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        etcd: EtcdEndpoint = request.getfixturevalue("etcd_server")
-        gc.collect()
+    """IPv4 address and port of the session etcd."""
+    etcd: EtcdEndpoint = request.getfixturevalue("etcd_server")
     host, _, port = etcd.endpoint.rpartition(":")
     return socket.gethostbyname(host), int(port)
 

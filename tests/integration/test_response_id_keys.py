@@ -6,8 +6,6 @@ that race all serve the one that won; against a real etcd and MemoryStore."""
 from __future__ import annotations
 
 import asyncio
-import gc
-import warnings
 from collections.abc import AsyncIterator
 
 import pytest
@@ -34,14 +32,12 @@ REPLICAS = 4
 
 @pytest.fixture(params=["memory", "etcd"])
 def endpoint(request: pytest.FixtureRequest) -> EtcdEndpoint | None:
-    """None for MemoryStore, else the session etcd, wiped. Sync, as
-    test_store_contract.etcd_endpoint is, and for its reasons."""
+    """None for MemoryStore, else the session etcd, wiped. Sync, as the
+    integration tests' etcd_endpoint is (tests/integration/conftest.py), and
+    for its reasons."""
     if request.param == "memory":
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        found: EtcdEndpoint = request.getfixturevalue("clean_etcd")
-        gc.collect()
+    found: EtcdEndpoint = request.getfixturevalue("clean_etcd")
     return found
 
 
