@@ -42,6 +42,17 @@ settings.register_profile("ponto", deadline=None)
 settings.load_profile("ponto")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The collected suite (some 350,000 objects: modules, test items,
+    parameters) lives until the run ends; frozen, the collector's full passes
+    no longer walk it. Each pass walks what the tests made since, as before: in
+    tests/unit and tests/functional the full passes took 10 s rather than 18 s
+    (on a loaded 2-core machine). Collected first, so that nothing frozen is
+    garbage."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
