@@ -411,6 +411,35 @@ class FleetInfo(Collector):
         yield family
 
 
+class Refusing(Collector):
+    """ponto_route_table_refusing{reason}: 1 for the reason the guard refused
+    the latest table pushed (dataplane.sync.holder), 0 for the other, all 0
+    once a table is taken. A gauge, for the alert: it is 1 from the first
+    refusal (a counter's first increase from an absent series is lost) and
+    drops as soon as adoption works (a counter's increase lingers its window)."""
+
+    NAME = "ponto_route_table_refusing"
+    DOC = (
+        "1 while the latest route table pushed was refused, by reason (another_fleet, "
+        "would_open); 0 once a table is taken"
+    )
+    REASONS = ("another_fleet", "would_open")
+
+    def __init__(self, read: Callable[[], str], *, registry: CollectorRegistry) -> None:
+        self._read = read
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=["reason"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["reason"])
+        refusing = self._read()
+        for reason in self.REASONS:
+            family.add_metric([reason], 1.0 if reason == refusing else 0.0)
+        yield family
+
+
 class InFlight(Collector):
     """ponto_requests_in_flight and ponto_streams_open, read at scrape time
     from the requests the error boundary holds (`requests`, by id(): it adds
@@ -787,6 +816,8 @@ class Metrics:
             registry=r,
         )
         FleetInfo(lambda: self._fleet_id(), registry=r)  # noqa: PLW0108 - as above
+        self._fleet_refusing: Callable[[], str] = str
+        Refusing(lambda: self._fleet_refusing(), registry=r)  # noqa: PLW0108 - as above
         self.access_log_dropped = ReadCounter(
             "ponto_access_log_dropped",
             "Access-log lines dropped because standard output did not take them",
@@ -1137,11 +1168,16 @@ class Metrics:
             ReadCounter(f"ponto_semantic_feed_{name}", doc, registry=r).read = stat(*names)
 
     def bind_fleet(
-        self, refused: Callable[[], Mapping[str, float]], fleet_id: Callable[[], str]
+        self,
+        refused: Callable[[], Mapping[str, float]],
+        fleet_id: Callable[[], str],
+        refusing: Callable[[], str] = str,
     ) -> None:
-        """The holder's refusals by reason and the fleet id it serves."""
+        """The holder's refusals by reason, the fleet id it serves, and the
+        reason it refused the latest table pushed for ("" once it took one)."""
         self._fleet_refused = refused
         self._fleet_id = fleet_id
+        self._fleet_refusing = refusing
 
     def bind(
         self,

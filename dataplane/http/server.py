@@ -207,7 +207,7 @@ class Proxy:
         m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)
         m.bind_semantic(lambda: cache.semantic)
-        m.bind_fleet(lambda: dict(holder.refused), lambda: holder.fleet_id)
+        m.bind_fleet(lambda: dict(holder.refused), lambda: holder.fleet_id, lambda: holder.refusing)
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,

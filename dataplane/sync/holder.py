@@ -123,8 +123,13 @@ class TableHolder:
         self.fleet_id = ""
         # Whether the table served requires a key or a JWT (auth_required).
         self.closed = False
-        # Tables the guard refused, by reason (ANOTHER_FLEET, WOULD_OPEN).
-        self.refused: dict[str, int] = {}
+        # Tables the guard refused, by reason (ANOTHER_FLEET, WOULD_OPEN):
+        # both from the start, so the counter's series exist at 0 before the
+        # first refusal (an increase() from absent to 1 is 0).
+        self.refused: dict[str, int] = {ANOTHER_FLEET: 0, WOULD_OPEN: 0}
+        # The reason the latest table pushed was refused for, until a table is
+        # taken (ponto_route_table_refusing: what the alert pages on).
+        self.refusing = ""
         # (reason, fleet id) of the refusals logged: each is logged once at
         # ERROR, not at every push of the control plane that lost its state.
         self._told: set[tuple[str, str]] = set()
@@ -146,6 +151,9 @@ class TableHolder:
                 # table this proxy may serve came.
                 self._refused(refused, table)
                 raise refused
+        # A table the guard lets through: whatever comes of it below (stale,
+        # invalid, the same), the proxy is not refusing its control plane's.
+        self.refusing = ""
         if source == "control-plane":
             self.received_at = time.time()
             if (
@@ -231,6 +239,7 @@ class TableHolder:
         its reason and fleet id come (the control plane pushes again at each
         change of its state, and at each reconnection)."""
         self.refused[refused.reason] = self.refused.get(refused.reason, 0) + 1
+        self.refusing = refused.reason
         told = (refused.reason, table.fleet_id)
         if told in self._told:
             log.debug("refused route table version %d: %s", table.version, refused)

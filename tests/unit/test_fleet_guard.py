@@ -74,7 +74,7 @@ def test_a_table_of_another_fleet_is_refused_and_the_table_served_stays(
     assert holder.routes is not None and holder.routes.version == 5
     assert len(holder.routes.models) == 3
     assert holder.fleet_id == OURS and holder.closed
-    assert holder.refused == {ANOTHER_FLEET: 1}
+    assert holder.refused == {ANOTHER_FLEET: 1, WOULD_OPEN: 0}
     # Closed or not, the fleet decides first.
     assert refused(holder, table(901, fleet=NEW, closed=True)).reason == ANOTHER_FLEET
 
@@ -126,7 +126,7 @@ def test_a_table_of_the_same_fleet_that_would_open_it_is_refused(tmp_path: Path)
     holder = TableHolder("us-east", tmp_path)
     holder.apply(table(5), CP)
     assert refused(holder, table(6, closed=False)).reason == WOULD_OPEN
-    assert holder.refused == {WOULD_OPEN: 1}
+    assert holder.refused == {ANOTHER_FLEET: 0, WOULD_OPEN: 1}
     assert holder.apply(table(7, closed=True, models=2), CP) is True
 
 
@@ -164,7 +164,7 @@ def test_a_refusal_is_logged_at_error_once_per_fleet_id(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2
     assert NEW in errors[0] and "aaaaaaaaaaaaaaaa" in errors[1]
-    assert holder.refused == {ANOTHER_FLEET: 4}
+    assert holder.refused == {ANOTHER_FLEET: 4, WOULD_OPEN: 0}
 
 
 def test_the_nack_names_the_fleet_served_and_the_metrics_count_it(tmp_path: Path) -> None:
@@ -182,6 +182,45 @@ def test_the_nack_names_the_fleet_served_and_the_metrics_count_it(tmp_path: Path
     text = generate_latest(metrics.registry).decode()
     assert 'ponto_route_table_refused_total{reason="another_fleet"} 1.0' in text
     assert f'ponto_fleet_info{{fleet_id="{OURS}"}} 1.0' in text
+
+
+def scrape(holder: TableHolder) -> str:
+    metrics = Metrics()
+    metrics.bind_fleet(
+        lambda: dict(holder.refused), lambda: holder.fleet_id, lambda: holder.refusing
+    )
+    return generate_latest(metrics.registry).decode()
+
+
+def test_the_refusal_series_exist_at_zero_before_the_first_refusal(tmp_path: Path) -> None:
+    """An increase() of a series that first appears at 1 is 0: the first
+    refusal would page no one."""
+    holder = TableHolder("us-east", tmp_path)
+    holder.apply(table(5), CP)
+    text = scrape(holder)
+    for reason in (ANOTHER_FLEET, WOULD_OPEN):
+        assert f'ponto_route_table_refused_total{{reason="{reason}"}} 0.0' in text
+        assert f'ponto_route_table_refusing{{reason="{reason}"}} 0.0' in text
+
+
+def test_refusing_is_1_while_the_latest_table_was_refused_and_0_once_one_is_taken(
+    tmp_path: Path,
+) -> None:
+    holder = TableHolder("us-east", tmp_path)
+    holder.apply(table(5), CP)
+    refused(holder, table(900, fleet=NEW))
+    text = scrape(holder)
+    assert 'ponto_route_table_refusing{reason="another_fleet"} 1.0' in text
+    assert 'ponto_route_table_refusing{reason="would_open"} 0.0' in text
+    refused(holder, table(901, closed=False))
+    text = scrape(holder)
+    assert 'ponto_route_table_refusing{reason="another_fleet"} 0.0' in text
+    assert 'ponto_route_table_refusing{reason="would_open"} 1.0' in text
+    holder.apply(table(902, models=2), CP)  # adopted, and a key again
+    text = scrape(holder)
+    for reason in (ANOTHER_FLEET, WOULD_OPEN):
+        assert f'ponto_route_table_refusing{{reason="{reason}"}} 0.0' in text
+    assert 'ponto_route_table_refused_total{reason="another_fleet"} 1.0' in text
 
 
 async def test_a_replica_of_another_fleet_gives_no_quota_shares_or_loads() -> None:
