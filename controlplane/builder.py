@@ -80,7 +80,7 @@ class TableBuilder:
                 await self._catalog.ensure_response_id_owners()
             state = await self._catalog.snapshot()
             # After the keys: the id is derived from them (Catalog.ensure_fleet_id).
-            if not state.fleet_id:
+            if not state.fleet_id and not state.fleet_id_invalid:
                 if made := await self._catalog.ensure_fleet_id(state.response_id_keys):
                     latest = self._publisher.latest
                     self.fleet.made(made, latest.table.fleet_id if latest is not None else "")
@@ -88,6 +88,7 @@ class TableBuilder:
         self._read_at = state.revision
         self._read.set()
         self.builds += 1
+        self.fleet.stored(state.fleet_id_invalid)
         latest = self._publisher.latest
         if latest is not None and state.revision < latest.version and self._behind is not None:
             # Every proxy would refuse it as older, and the publisher drops

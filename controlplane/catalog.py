@@ -243,6 +243,7 @@ class Catalog:
         id_keys: tuple[bytes, ...] = ()
         owners_from = 0
         fleet_id = ""
+        fleet_id_invalid = ""
         auth_ever = False
         for kv in listing.items:
             try:
@@ -270,7 +271,12 @@ class Catalog:
                 elif kv.key == RESPONSE_ID_OWNERS:
                     owners_from = kv.create_revision
                 elif kv.key == FLEET_ID:
-                    fleet_id = decode_fleet_id(kv.value)
+                    try:
+                        fleet_id = decode_fleet_id(kv.value)
+                    except (ValueError, InvalidArgument) as exc:
+                        # Not skipped as undecodable: told (once, FleetWatch)
+                        # as the fleet's guard being off, not as no id.
+                        fleet_id_invalid = str(exc)
                 elif kv.key == AUTH_REQUIRED:
                     auth_ever = True
             except (ValueError, TypeError, KeyError, AttributeError, InvalidArgument) as exc:
@@ -291,6 +297,7 @@ class Catalog:
             owners_from,
             fleet_id,
             auth_ever,
+            fleet_id_invalid,
         )
 
     async def ensure_response_id_key(self) -> None:
@@ -345,8 +352,10 @@ class Catalog:
             current = await _guard(self.store.get(FLEET_ID))
             try:
                 previous = decode_fleet_id(current.value) if current is not None else ""
-            except ValueError:
-                previous = ""  # a value edited by hand: replaced
+            except (ValueError, InvalidArgument):
+                # A value edited by hand, not JSON or not an id: replaced
+                # (review 293: an id that was no id made adopt fail).
+                previous = ""
             try:
                 await _guard(
                     self.store.put(

@@ -17,6 +17,9 @@ ended); read by /metrics and /api/status. Not thread-safe: one event loop.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+
+from controlplane.catalog import FLEET_ID
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,27 @@ class FleetWatch:
         # whose last answer refused its table as another fleet's.
         self.refusing: dict[str, str] = {}
         self._told: set[str] = set()
+        # Why the stored fleet id is no fleet id ("" when it is one, or none
+        # is stored): this replica's tables carry none, so the proxies judge
+        # them by auth alone, until `pontoctl fleet adopt` replaces it.
+        self.invalid = ""
+
+    def stored(self, invalid: str) -> None:
+        """The table builder read the store: `invalid` says why its fleet id
+        is no fleet id ("" when it is one or none is stored). Logged at
+        ERROR when it becomes so, not at every build."""
+        if invalid and invalid != self.invalid:
+            log.error(
+                "the stored fleet id (%s) is not one: %s. Route tables go out without a "
+                "fleet id, and the proxies' guard judges them by auth alone; `pontoctl "
+                "fleet adopt ID` with the id the proxies serve (their ponto_fleet_info) "
+                "replaces it",
+                FLEET_ID,
+                invalid,
+            )
+        elif self.invalid and not invalid:
+            log.info("the stored fleet id is one again")
+        self.invalid = invalid
 
     def made(self, fleet_id: str, before: str) -> None:
         """This replica made fleet id `fleet_id` for a store that had none;
@@ -94,22 +118,44 @@ class FleetWatch:
         self.refusing.pop(proxy, None)
 
     def problem(self) -> str:
-        """A sentence for the status page ("" when the fleet is whole)."""
+        """A sentence for the status page ("" when the fleet is whole). It
+        names the fleet id most refusing proxies serve, the one to adopt,
+        and says when they disagree (proxies of two fleets on one control
+        plane: adopting one id leaves the others refusing)."""
         parts = []
+        if self.invalid:
+            parts.append(
+                f"the stored fleet id is not one ({self.invalid}): route tables go out "
+                "without a fleet id, and the proxies judge them by auth alone"
+            )
         if self.replaced:
             parts.append(
                 f"this replica made fleet id {self.fleet_id} for a store without one, "
                 f"after serving fleet {self.replaced}: etcd lost its data or is another"
             )
+        adopt = "ID"
         if self.refusing:
-            served = sorted(set(self.refusing.values()))
-            parts.append(
+            counts = Counter(self.refusing.values())
+            # Most proxies first; ties by id, so the sentence is stable.
+            ranked = sorted(counts.items(), key=lambda c: (-c[1], c[0]))
+            adopt = ranked[0][0]
+            said = (
                 f"{len(self.refusing)} proxies refuse its route tables as another fleet's "
-                f"and keep theirs (they serve fleet {', '.join(served)})"
+                f"and keep theirs (they serve fleet {adopt})"
             )
+            if len(ranked) > 1:
+                said = (
+                    f"{len(self.refusing)} proxies refuse its route tables as another fleet's "
+                    f"and keep theirs, and they disagree: "
+                    + ", ".join(f"{n} serve fleet {fleet}" for fleet, n in ranked)
+                    + f"; adopting {adopt} leaves the others refusing"
+                )
+            parts.append(said)
+        elif self.replaced:
+            adopt = self.replaced
         if not parts:
             return ""
         return "; ".join(parts) + (
-            ": restore etcd from a snapshot, or `pontoctl fleet adopt ID` once the "
+            f": restore etcd from a snapshot, or `pontoctl fleet adopt {adopt}` once the "
             'store holds what the fleet should serve (docs/operations.md, "etcd came back empty")'
         )

@@ -601,6 +601,12 @@ class State:
     # The fleet has had a JWT issuer or a key (catalog.AUTH_REQUIRED): its
     # tables require auth even once the last issuer is gone.
     auth_ever: bool = False
+    # Why the stored fleet id is not one (edited by hand, or a bad write):
+    # fleet_id is "" then, but the store is not one without an id, and the
+    # fleet's tables go out without one (the proxies' guard judges them by
+    # auth alone) until `pontoctl fleet adopt` replaces it. "" when it is
+    # one, or none is stored.
+    fleet_id_invalid: str = ""
 
 
 def encode(value: Any) -> bytes:

@@ -133,3 +133,66 @@ async def test_a_fleet_that_had_a_jwt_issuer_stays_closed_once_it_is_gone() -> N
     await catalog.delete_tenant("acme")
     await builder.build_once()
     assert pub.latest.table.auth_required and not pub.latest.table.tenants
+
+
+@pytest.mark.parametrize("stored", [b'{"id": "not a fleet id"}', b"not json"])
+async def test_adopt_replaces_a_stored_fleet_id_that_is_none(stored: bytes) -> None:
+    """Review 293: a stored id that decodes as JSON but is no fleet id made
+    adopt fail with INVALID_ARGUMENT, leaving no way to mend it."""
+    store = MemoryStore()
+    await store.put(FLEET_ID, stored)
+    assert (await Catalog(store).snapshot()).fleet_id_invalid
+    assert await Catalog(store).adopt_fleet(SERVED) == ""
+    state = await Catalog(store).snapshot()
+    assert (state.fleet_id, state.fleet_id_invalid) == (SERVED, "")
+
+
+async def test_a_stored_fleet_id_that_is_none_is_a_problem_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not "no id": the guard is off (tables go out without one), which the
+    status page and an ERROR say, once, until adopt replaces it."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await store.put(FLEET_ID, b'{"id": "XYZ"}')
+    pub = Publisher("cp-a")
+    builder = TableBuilder(catalog, pub)
+    with caplog.at_level(logging.INFO, logger="controlplane.fleetid"):
+        await builder.build_once()
+        builder.wake()
+        await builder.build_once()
+    assert pub.latest is not None and pub.latest.table.fleet_id == ""
+    # Left as it is for adopt to replace, not taken for a store without one.
+    stored = await store.get(FLEET_ID)
+    assert stored is not None and stored.value == b'{"id": "XYZ"}'
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "is not one" in errors[0] and FLEET_ID in errors[0]
+    assert builder.fleet.problem().startswith("the stored fleet id is not one ('XYZ' is not")
+    await catalog.adopt_fleet(SERVED)
+    await builder.build_once()
+    assert pub.latest.table.fleet_id == SERVED
+    assert builder.fleet.problem() == ""
+
+
+def test_the_problem_names_the_fleet_most_refusing_proxies_serve() -> None:
+    watch = FleetWatch()
+    watch.published("bbbbbbbbbbbbbbbb")
+    watch.answered("p1", "aaaaaaaaaaaaaaaa", refused=True)
+    assert "pontoctl fleet adopt aaaaaaaaaaaaaaaa`" in watch.problem()
+    assert "disagree" not in watch.problem()
+    watch.answered("p2", "cccccccccccccccc", refused=True)
+    watch.answered("p3", "cccccccccccccccc", refused=True)
+    problem = watch.problem()
+    assert "pontoctl fleet adopt cccccccccccccccc`" in problem
+    assert (
+        "they disagree: 2 serve fleet cccccccccccccccc, 1 serve fleet aaaaaaaaaaaaaaaa; "
+        "adopting cccccccccccccccc leaves the others refusing"
+    ) in problem
+
+
+def test_a_replica_that_replaced_the_id_names_the_one_it_served() -> None:
+    watch = FleetWatch()
+    watch.published("aaaaaaaaaaaaaaaa")
+    watch.made("bbbbbbbbbbbbbbbb", "aaaaaaaaaaaaaaaa")
+    watch.published("bbbbbbbbbbbbbbbb")
+    assert "pontoctl fleet adopt aaaaaaaaaaaaaaaa`" in watch.problem()
