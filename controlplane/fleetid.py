@@ -10,28 +10,55 @@ the proxies' fleet id (`pontoctl fleet adopt`, docs/operations.md). Proxies
 that refuse this replica's tables as another fleet's (their NACK names the
 fleet they serve) say the same from their side, whichever replica made the id.
 
+While the fleet is in question (in_question: proxies refuse this replica's
+tables as another fleet's, or it replaced the fleet id a moment ago), the
+routing service sends no table to a proxy that holds none (a new pod, a
+scale-up, a rolled pod with an emptyDir state): one that took the new
+fleet's table would serve its callers with no key, refuse the fleet's tables
+once the operator adopts the old id, and advise adopting its own. It gets its
+table once the question is settled (settled()).
+
 Fed by the table builder (made, published) and the routing service (answered,
 ended); read by /metrics and /api/status. Not thread-safe: one event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 
 from controlplane.catalog import FLEET_ID
 
 log = logging.getLogger(__name__)
 
+# How long after this replica replaced the fleet id a proxy that holds no
+# table waits for one though no proxy refuses (yet): the proxies that hold the
+# old fleet's tables reconnect and refuse within seconds. After it, with none
+# refusing (every proxy lost its state too), the tables flow: there is no
+# other fleet left to keep.
+REPLACED_GRACE_S = 60.0
+
 
 class FleetWatch:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         # The fleet id of the latest table this replica published ("" before
         # one that carries it).
         self.fleet_id = ""
         # The fleet id this replica published before it made a new one (the
         # store lost its state), until it publishes that one again (adopted).
         self.replaced = ""
+        self._replaced_at = 0.0
+        # Proxies that hold no table and are sent none until the fleet is
+        # no longer in question (the routing service's streams).
+        self.waiting: set[str] = set()
+        # Set (and dropped) when what in_question reads changes: settled()
+        # waits on it.
+        self._change: asyncio.Event | None = None
         # Proxy name -> the fleet id it serves, for this replica's proxies
         # whose last answer refused its table as another fleet's.
         self.refusing: dict[str, str] = {}
@@ -67,6 +94,8 @@ class FleetWatch:
             log.info("made the fleet id %s (the store had none)", fleet_id)
             return
         self.replaced = before
+        self._replaced_at = self._clock()
+        self._changed()
         log.error(
             "the state store holds no fleet id, though this replica served fleet %s: "
             "etcd lost its data (or this is another etcd). Made fleet %s; proxies of "
@@ -89,6 +118,7 @@ class FleetWatch:
         self.fleet_id = fleet_id
         if fleet_id == self.replaced:
             self.replaced = ""
+            self._changed()
 
     def answered(self, proxy: str, served: str, *, refused: bool) -> None:
         """Proxy `proxy`, serving fleet `served` ("" if it does not say: an
@@ -109,13 +139,49 @@ class FleetWatch:
                     served,
                 )
         else:
-            self.refusing.pop(proxy, None)
-            if not self.refusing:
-                self._told.clear()
+            self._settle(proxy)
 
     def ended(self, proxy: str) -> None:
         """Proxy `proxy`'s stream with this replica ended."""
-        self.refusing.pop(proxy, None)
+        self._settle(proxy)
+
+    def _settle(self, proxy: str) -> None:
+        """Proxy `proxy` refuses this replica's tables no more."""
+        if self.refusing.pop(proxy, None) is not None and not self.refusing:
+            self._told.clear()  # a next loss is news again
+            self._changed()
+
+    def in_question(self) -> bool:
+        """Whether a proxy that holds no table must wait for one: proxies
+        refuse this replica's tables as another fleet's, or it replaced the
+        fleet id less than REPLACED_GRACE_S ago. Not for a fresh install
+        (no id replaced, none refusing), nor a scale-up, nor a whole fleet
+        restarted without its state (none refusing)."""
+        if self.refusing:
+            return True
+        return bool(self.replaced) and self._clock() - self._replaced_at < REPLACED_GRACE_S
+
+    async def settled(self) -> None:
+        """Return once the fleet is not in question: adopted (this
+        replica's tables are the refusing proxies' fleet's again, and they
+        take them), the refusing proxies gone, or the grace after a
+        replacement over with none refusing. Called by the routing service
+        for each stream of a proxy that holds no table."""
+        while self.in_question():
+            if self._change is None:
+                self._change = asyncio.Event()
+            change = self._change
+            left = None
+            if not self.refusing:
+                left = max(0.0, REPLACED_GRACE_S - (self._clock() - self._replaced_at))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await change.wait()
+
+    def _changed(self) -> None:
+        if self._change is not None:
+            self._change.set()
+            self._change = None
 
     def problem(self) -> str:
         """A sentence for the status page ("" when the fleet is whole). It
@@ -153,6 +219,11 @@ class FleetWatch:
             parts.append(said)
         elif self.replaced:
             adopt = self.replaced
+        if self.waiting:
+            parts.append(
+                f"{len(self.waiting)} proxies that hold no table (started since) are sent "
+                "none until this is settled, and serve nothing"
+            )
         if not parts:
             return ""
         return "; ".join(parts) + (

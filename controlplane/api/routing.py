@@ -274,6 +274,12 @@ class RoutingService:
         sent_quota = 0
         sent_shares = b""
         tables: asyncio.Future[Snapshot] | None = None
+        # A proxy that holds no table (a new pod, or one restarted without its
+        # state) is sent none while the fleet is in question (FleetWatch):
+        # the new fleet's would open it to callers with no key, and it would
+        # refuse the fleet's own once adopted. Until it took one.
+        holds_none = first.version_info == 0
+        settling: asyncio.Future[None] | None = None
         quotas: asyncio.Future[tuple[int, bytes, bytes]] | None = None
         # Loads are the same bytes for every stream; only the generation sent
         # is per stream.
@@ -293,7 +299,10 @@ class RoutingService:
         )
         try:
             while not reader.done():
-                if tables is None:
+                if settling is None and sent is None and holds_none and self.fleet.in_question():
+                    settling = self._withhold(name, tables)
+                    tables = None
+                if tables is None and settling is None:
                     tables = asyncio.ensure_future(self._publisher.next_after(sent))
                 if quotas is None and self._quotas is not None:
                     quotas = asyncio.ensure_future(
@@ -303,7 +312,9 @@ class RoutingService:
                     )
                 if loads is None and hub is not None:
                     loads = asyncio.ensure_future(hub.next_after(sent_loads))
-                waiting: set[asyncio.Future[Any]] = {tables, reader, closing, ended}
+                pending = tables if tables is not None else settling
+                assert pending is not None
+                waiting: set[asyncio.Future[Any]] = {pending, reader, closing, ended}
                 if expired is not None:
                     waiting.add(expired)
                 if quotas is not None:
@@ -339,7 +350,16 @@ class RoutingService:
                     break
                 payloads = []
                 pushed_table = False
-                if tables in done:
+                if settling is not None and settling in done:
+                    settling = None
+                    self.fleet.waiting.discard(name)
+                    log.info("proxy %s holds no route table: sending the fleet's now", name)
+                if tables is not None and tables in done:
+                    if sent is None and holds_none and self.fleet.in_question():
+                        # The question came while its first table was on the way.
+                        settling = self._withhold(name, tables)
+                        tables = None
+                        continue
                     sent = tables.result()
                     tables = None
                     # Compiled before a raise of the base (_held): every proxy
@@ -376,7 +396,8 @@ class RoutingService:
             # proxies stopped with no line for their stream's end).
             log.info("proxy %s stream closed", name)
             reader.cancel()
-            for waiter in (tables, quotas, loads, closing, ended, expired):
+            self.fleet.waiting.discard(name)
+            for waiter in (tables, quotas, loads, closing, ended, expired, settling):
                 if waiter is not None:
                     waiter.cancel()
             if self._quotas is not None:
@@ -389,6 +410,21 @@ class RoutingService:
                 await asyncio.shield(self._registry.unregister(session_id))
             with contextlib.suppress(BaseException):
                 await reader
+
+    def _withhold(self, name: str, tables: asyncio.Future[Snapshot] | None) -> asyncio.Future[None]:
+        """Send proxy `name`, which holds no table, none until the fleet is
+        no longer in question; the future is done once it is not."""
+        if tables is not None:
+            tables.cancel()
+        self.fleet.waiting.add(name)
+        log.warning(
+            "proxy %s holds no route table and is sent none while the fleet id is in "
+            "question (proxies refuse this replica's tables as another fleet's, or it "
+            "replaced the fleet id): it serves nothing until that is settled "
+            '(docs/operations.md, "etcd came back empty")',
+            name,
+        )
+        return asyncio.ensure_future(self.fleet.settled())
 
     async def _write(
         self, context: grpc.aio.ServicerContext[Any, Any], name: str, payload: bytes

@@ -1,0 +1,188 @@
+"""Review 293: a proxy that holds no table (a new pod, a scale-up, a rolled pod
+whose state was an emptyDir) is sent none while the fleet is in question, as
+it would take the new fleet's table: serve callers with no key, refuse the
+fleet's tables once the old id is adopted, and advise adopting its own. It
+gets its table once the question is settled; a fresh install, a scale-up,
+and a whole fleet restarted without its state get theirs at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from controlplane.api.routing import RoutingService
+from controlplane.catalog import Catalog
+from controlplane.distribute import Publisher
+from controlplane.fleetid import REPLACED_GRACE_S, FleetWatch
+from controlplane.registry import ProxyRegistry
+from controlplane.store.memory import MemoryStore
+from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_control_metrics import Stream, table
+
+OLD = "aaaaaaaaaaaaaaaa"
+NEW = "bbbbbbbbbbbbbbbb"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet_table(version: int, fleet: str) -> pb.RouteTable:
+    t = table(version)
+    t.fleet_id = fleet
+    return t
+
+
+class Replica:
+    """One replica's routing service over an in-memory store, and the
+    streams of the proxies it serves."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.watch = FleetWatch(clock or Clock())
+        self.publisher = Publisher("cp")
+        self.registry = ProxyRegistry(Catalog(MemoryStore()), "cp")
+        self.routing = RoutingService(self.registry, self.publisher, fleet=self.watch)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def connect(self, name: str, holds: int = 0, fleet: str = "") -> Stream:
+        record = await self.registry.register(name, "eu", "127.0.0.1:9", "test")
+        stream = Stream()
+        self.tasks.append(
+            asyncio.create_task(self.routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
+        )
+        await stream.requests.put(
+            pb.RouteRequest(session_id=record.session_id, version_info=holds, fleet_id=fleet)
+        )
+        stream.session_id = record.session_id  # type: ignore[attr-defined]
+        return stream
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[Replica]:
+    r = Replica()
+    yield r
+    await r.close()
+
+
+async def answer(stream: Stream, update: pb.RouteUpdate, fleet: str, error: str = "") -> None:
+    await stream.requests.put(
+        pb.RouteRequest(
+            session_id=stream.session_id,  # type: ignore[attr-defined]
+            version_info=update.table.version,
+            response_nonce=update.nonce,
+            error_detail=error,
+            fleet_id=fleet,
+        )
+    )
+
+
+async def nothing_pushed(stream: Stream) -> bool:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(0.2):
+            while True:
+                update = await stream.pushed.get()
+                if update.HasField("table"):
+                    return False
+    return True
+
+
+async def until(condition: object) -> None:
+    async with asyncio.timeout(5):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.01)
+
+
+async def test_a_fresh_install_and_a_scale_up_get_their_tables_at_once(
+    replica: Replica,
+) -> None:
+    replica.publisher.publish(fleet_table(5, OLD))
+    replica.watch.made(OLD, "")
+    replica.watch.published(OLD)
+    first = await replica.connect("p1")
+    assert (await first.next_table()).table.fleet_id == OLD
+    added = await replica.connect("p2")  # a scale-up: holds none, nothing in question
+    assert (await added.next_table()).table.fleet_id == OLD
+
+
+async def test_a_proxy_without_a_table_gets_none_while_proxies_refuse_until_adopted(
+    replica: Replica,
+) -> None:
+    replica.publisher.publish(fleet_table(900, NEW))
+    replica.watch.published(NEW)
+    old = await replica.connect("p-old", holds=5, fleet=OLD)
+    pushed = await old.next_table()
+    await answer(old, pushed, OLD, error="another fleet's table (fleet ...)")
+    await until(lambda: replica.watch.refusing)
+
+    fresh = await replica.connect("p-new")
+    assert await nothing_pushed(fresh)
+    await until(lambda: "p-new" in replica.watch.waiting)
+    problem = replica.watch.problem()
+    assert "1 proxies that hold no table (started since) are sent none" in problem
+    assert f"pontoctl fleet adopt {OLD}`" in problem
+
+    # Adopted: the tables are of the old fleet's id again, which both take.
+    replica.publisher.publish(fleet_table(901, OLD))
+    replica.watch.published(OLD)
+    adopted = await old.next_table()
+    await answer(old, adopted, OLD)
+    got = await fresh.next_table()
+    assert (got.table.version, got.table.fleet_id) == (901, OLD)
+    assert replica.watch.waiting == set() and replica.watch.problem() == ""
+
+
+async def test_a_proxy_without_a_table_waits_while_its_replica_replaced_the_id() -> None:
+    """Before the proxies that hold the old fleet's tables are back to
+    refuse: for REPLACED_GRACE_S, after which, none refusing (every proxy lost
+    its state too), the tables flow."""
+    clock = Clock()
+    replica = Replica(clock)
+    try:
+        replica.publisher.publish(fleet_table(900, NEW))
+        replica.watch.published(OLD)
+        replica.watch.made(NEW, OLD)
+        replica.watch.published(NEW)
+        assert replica.watch.in_question()
+        fresh = await replica.connect("p-new")
+        assert await nothing_pushed(fresh)
+        clock.now += REPLACED_GRACE_S
+        assert not replica.watch.in_question()
+        # The waiter's timer runs on the loop's clock, not the injected one:
+        # woken here as its timer would wake it.
+        replica.watch._changed()
+        assert (await fresh.next_table()).table.fleet_id == NEW
+    finally:
+        await replica.close()
+
+
+async def test_a_whole_fleet_restarted_without_its_state_gets_tables(replica: Replica) -> None:
+    replica.publisher.publish(fleet_table(5, OLD))
+    replica.watch.published(OLD)
+    streams = [await replica.connect(f"p{i}") for i in range(3)]
+    for stream in streams:
+        assert (await stream.next_table()).table.fleet_id == OLD
+
+
+async def test_refusals_ending_with_their_streams_settle_the_question(replica: Replica) -> None:
+    replica.publisher.publish(fleet_table(900, NEW))
+    replica.watch.published(NEW)
+    old = await replica.connect("p-old", holds=5, fleet=OLD)
+    await answer(old, await old.next_table(), OLD, error="another fleet's table")
+    await until(lambda: replica.watch.refusing)
+    fresh = await replica.connect("p-new")
+    assert await nothing_pushed(fresh)
+    await old.requests.put(None)  # the refusing proxy left (scaled down)
+    assert (await fresh.next_table()).table.fleet_id == NEW
