@@ -992,9 +992,12 @@ class RouteTable(_message.Message):
     control plane older than it: such ids are taken for the name.
     """
     fleet_id: _builtins.str
-    """The fleet's identity: random, made once by the first control plane
-    replica that builds a table from a store without one (etcd
-    /ponto/state/fleet-id), changed only by `pontoctl fleet adopt`. A proxy
+    """The fleet's identity (etcd /ponto/state/fleet-id): derived from the
+    oldest of the fleet's Responses id keys (response_id_keys) by the first
+    control plane replica that builds a table from a store without one, so
+    a store older than fleet ids, or restored from a snapshot taken before
+    the id was made, gets the id its proxies serve; changed only by
+    `pontoctl fleet adopt`. A proxy
     that serves a table of one fleet refuses (NACKs) a table of another:
     an etcd that lost its data, or a replica pointed at the wrong etcd,
     makes a new fleet, whose (empty) tables must not replace the ones
