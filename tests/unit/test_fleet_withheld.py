@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -40,6 +40,12 @@ def fleet_table(version: int, fleet: str) -> pb.RouteTable:
     return t
 
 
+class ProxyStream(Stream):
+    def __init__(self, session_id: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+
+
 class Replica:
     """One replica's routing service over an in-memory store, and the
     streams of the proxies it serves."""
@@ -51,16 +57,15 @@ class Replica:
         self.routing = RoutingService(self.registry, self.publisher, fleet=self.watch)
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def connect(self, name: str, holds: int = 0, fleet: str = "") -> Stream:
+    async def connect(self, name: str, holds: int = 0, fleet: str = "") -> ProxyStream:
         record = await self.registry.register(name, "eu", "127.0.0.1:9", "test")
-        stream = Stream()
+        stream = ProxyStream(record.session_id)
         self.tasks.append(
             asyncio.create_task(self.routing.route_stream(stream.incoming(), stream))  # type: ignore[arg-type]
         )
         await stream.requests.put(
             pb.RouteRequest(session_id=record.session_id, version_info=holds, fleet_id=fleet)
         )
-        stream.session_id = record.session_id  # type: ignore[attr-defined]
         return stream
 
     async def close(self) -> None:
@@ -77,10 +82,10 @@ async def replica() -> AsyncIterator[Replica]:
     await r.close()
 
 
-async def answer(stream: Stream, update: pb.RouteUpdate, fleet: str, error: str = "") -> None:
+async def answer(stream: ProxyStream, update: pb.RouteUpdate, fleet: str, error: str = "") -> None:
     await stream.requests.put(
         pb.RouteRequest(
-            session_id=stream.session_id,  # type: ignore[attr-defined]
+            session_id=stream.session_id,
             version_info=update.table.version,
             response_nonce=update.nonce,
             error_detail=error,
@@ -89,19 +94,17 @@ async def answer(stream: Stream, update: pb.RouteUpdate, fleet: str, error: str 
     )
 
 
-async def nothing_pushed(stream: Stream) -> bool:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(0.2):
-            while True:
-                update = await stream.pushed.get()
-                if update.HasField("table"):
-                    return False
-    return True
+async def withheld(replica: Replica, name: str, stream: ProxyStream) -> bool:
+    """The stream of proxy `name` waits for the question to be settled, and
+    no table went out on it."""
+    await until(lambda: name in replica.watch.waiting)
+    pushed = [stream.pushed.get_nowait() for _ in range(stream.pushed.qsize())]
+    return not any(update.HasField("table") for update in pushed)
 
 
-async def until(condition: object) -> None:
+async def until(condition: Callable[[], object]) -> None:
     async with asyncio.timeout(5):
-        while not condition():  # type: ignore[operator]
+        while not condition():
             await asyncio.sleep(0.01)
 
 
@@ -128,8 +131,7 @@ async def test_a_proxy_without_a_table_gets_none_while_proxies_refuse_until_adop
     await until(lambda: replica.watch.refusing)
 
     fresh = await replica.connect("p-new")
-    assert await nothing_pushed(fresh)
-    await until(lambda: "p-new" in replica.watch.waiting)
+    assert await withheld(replica, "p-new", fresh)
     problem = replica.watch.problem()
     assert "1 proxies that hold no table (started since) are sent none" in problem
     assert f"pontoctl fleet adopt {OLD}`" in problem
@@ -157,7 +159,7 @@ async def test_a_proxy_without_a_table_waits_while_its_replica_replaced_the_id()
         replica.watch.published(NEW)
         assert replica.watch.in_question()
         fresh = await replica.connect("p-new")
-        assert await nothing_pushed(fresh)
+        assert await withheld(replica, "p-new", fresh)
         clock.now += REPLACED_GRACE_S
         assert not replica.watch.in_question()
         # The waiter's timer runs on the loop's clock, not the injected one:
@@ -183,6 +185,6 @@ async def test_refusals_ending_with_their_streams_settle_the_question(replica: R
     await answer(old, await old.next_table(), OLD, error="another fleet's table")
     await until(lambda: replica.watch.refusing)
     fresh = await replica.connect("p-new")
-    assert await nothing_pushed(fresh)
+    assert await withheld(replica, "p-new", fresh)
     await old.requests.put(None)  # the refusing proxy left (scaled down)
     assert (await fresh.next_table()).table.fleet_id == NEW
