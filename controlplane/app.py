@@ -216,6 +216,7 @@ class ControlPlane:
             loads=lambda: self.loads.loads,
             suspensions=lambda: self.builder.suspensions,
             fleet_problem=self.fleet.problem,
+            proxies_seen=self.fleet.seen,
             traffic_every=settings.traffic_interval,
         )
         self.web_runner: web.AppRunner | None = None

@@ -11,7 +11,8 @@ that refuse this replica's tables as another fleet's (their NACK names the
 fleet they serve) say the same from their side, whichever replica made the id.
 
 While the fleet is in question (in_question: proxies refuse this replica's
-tables as another fleet's, or it replaced the fleet id a moment ago), the
+tables as another fleet's, or, as their registrations say, another
+replica's; or it replaced the fleet id a moment ago), the
 routing service sends no table to a proxy that holds none (a new pod, a
 scale-up, a rolled pod with an emptyDir state): one that took the new
 fleet's table would serve its callers with no key, refuse the fleet's tables
@@ -29,11 +30,17 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from controlplane.catalog import FLEET_ID
+from controlplane.model import ProxyRecord
 
 log = logging.getLogger(__name__)
+
+# How a proxy's NACK of a table of another fleet begins (dataplane.sync.
+# holder.refusal; tests/unit/test_fleet_withheld.py holds the two together),
+# as a registration keeps it (ProxyRecord.last_error).
+ANOTHER_FLEET_NACK = "another fleet's table"
 
 # How long after this replica replaced the fleet id a proxy that holds no
 # table waits for one though no proxy refuses (yet): the proxies that hold the
@@ -63,6 +70,10 @@ class FleetWatch:
         # whose last answer refused its table as another fleet's.
         self.refusing: dict[str, str] = {}
         self._told: set[str] = set()
+        # Proxies whose registration (any replica's, as last read: seen)
+        # says they refused a table as another fleet's: a replica none of
+        # whose own proxies refuse still knows the fleet is in question.
+        self.stored_refusing = 0
         # Why the stored fleet id is no fleet id ("" when it is one, or none
         # is stored): this replica's tables carry none, so the proxies judge
         # them by auth alone, until `pontoctl fleet adopt` replaces it.
@@ -151,13 +162,25 @@ class FleetWatch:
             self._told.clear()  # a next loss is news again
             self._changed()
 
+    def seen(self, proxies: Iterable[ProxyRecord]) -> None:
+        """The proxies' registrations as stored, every replica's (read by
+        the status page's sampling, StatusWeb.sample, a few times a
+        minute): count those whose last answer refused a table as another
+        fleet's."""
+        was = self.stored_refusing
+        self.stored_refusing = sum(
+            1 for p in proxies if p.last_error.startswith(ANOTHER_FLEET_NACK)
+        )
+        if was and not self.stored_refusing:
+            self._changed()
+
     def in_question(self) -> bool:
         """Whether a proxy that holds no table must wait for one: proxies
         refuse this replica's tables as another fleet's, or it replaced the
         fleet id less than REPLACED_GRACE_S ago. Not for a fresh install
         (no id replaced, none refusing), nor a scale-up, nor a whole fleet
         restarted without its state (none refusing)."""
-        if self.refusing:
+        if self.refusing or self.stored_refusing:
             return True
         return bool(self.replaced) and self._clock() - self._replaced_at < REPLACED_GRACE_S
 
@@ -172,7 +195,7 @@ class FleetWatch:
                 self._change = asyncio.Event()
             change = self._change
             left = None
-            if not self.refusing:
+            if not self.refusing and not self.stored_refusing:
                 left = max(0.0, REPLACED_GRACE_S - (self._clock() - self._replaced_at))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
@@ -217,7 +240,12 @@ class FleetWatch:
                     + f"; adopting {adopt} leaves the others refusing"
                 )
             parts.append(said)
-        elif self.replaced:
+        elif self.stored_refusing:
+            parts.append(
+                f"{self.stored_refusing} proxies (of other replicas) refuse route tables as "
+                "another fleet's and keep theirs: their replicas' pages name the fleet they serve"
+            )
+        if not self.refusing and self.replaced:
             adopt = self.replaced
         if self.waiting:
             parts.append(

@@ -224,6 +224,7 @@ class StatusWeb:
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         suspensions: Callable[[], Suspensions | None] = lambda: None,
         fleet_problem: Callable[[], str] = str,
+        proxies_seen: Callable[[list[ProxyRecord]], None] = lambda proxies: None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -234,7 +235,9 @@ class StatusWeb:
         what is suspended in the state of this replica's latest table
         (TableBuilder.suspensions), read from memory as the table is.
         `fleet_problem`: what this replica knows of a fleet id lost
-        (FleetWatch.problem), shown first among the fleet warnings."""
+        (FleetWatch.problem), shown first among the fleet warnings.
+        `proxies_seen`: told of every proxy registration each sample reads
+        (FleetWatch.seen)."""
         self._catalog = catalog
         self._traffic_every = traffic_every
         self._stale_after = STALE_REPORTS * traffic_every
@@ -250,6 +253,7 @@ class StatusWeb:
         self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
         self._suspensions = suspensions
         self._fleet_problem = fleet_problem
+        self._proxies_seen = proxies_seen
         self._clock = clock
         # Times of wrong admin tokens: a step of the wall clock must not
         # stretch or end their window.
@@ -553,7 +557,9 @@ class StatusWeb:
         ControlPlaneError (etcd unavailable)."""
         latest = self._publisher.latest
         names = [r.name for r in latest.table.regions] if latest else []
-        self._measure(await self._catalog.list_proxies(), names, now)
+        proxies = await self._catalog.list_proxies()
+        self._proxies_seen(proxies)
+        self._measure(proxies, names, now)
 
     async def sample_forever(self) -> None:
         """`sample` twice per report write until cancelled, whether or not

@@ -16,9 +16,12 @@ import pytest
 from controlplane.api.routing import RoutingService
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
-from controlplane.fleetid import REPLACED_GRACE_S, FleetWatch
+from controlplane.fleetid import ANOTHER_FLEET_NACK, REPLACED_GRACE_S, FleetWatch
+from controlplane.model import ProxyRecord
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
+from controlplane.web import StatusWeb
+from dataplane.sync.holder import refusal
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_control_metrics import Stream, table
 
@@ -53,7 +56,8 @@ class Replica:
     def __init__(self, clock: Clock | None = None) -> None:
         self.watch = FleetWatch(clock or Clock())
         self.publisher = Publisher("cp")
-        self.registry = ProxyRegistry(Catalog(MemoryStore()), "cp")
+        self.catalog = Catalog(MemoryStore())
+        self.registry = ProxyRegistry(self.catalog, "cp")
         self.routing = RoutingService(self.registry, self.publisher, fleet=self.watch)
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -188,3 +192,33 @@ async def test_refusals_ending_with_their_streams_settle_the_question(replica: R
     assert await withheld(replica, "p-new", fresh)
     await old.requests.put(None)  # the refusing proxy left (scaled down)
     assert (await fresh.next_table()).table.fleet_id == NEW
+
+
+async def test_refusals_on_another_replica_keep_a_proxy_without_a_table_waiting(
+    replica: Replica,
+) -> None:
+    """A replica none of whose own proxies refuse reads the others' in the
+    proxies' registrations (the status page's sampling)."""
+    replica.publisher.publish(fleet_table(900, NEW))
+    replica.watch.published(NEW)
+    web = StatusWeb(replica.catalog, replica.publisher, "cp", proxies_seen=replica.watch.seen)
+    lease = await replica.catalog.store.grant_lease(10)
+    other = ProxyRecord("p-old", "eu", "p-old:8080", "1.0", "s-old", "cp-2", 900.0)
+    await replica.catalog.register_proxy(other, lease)
+    nack = f"{ANOTHER_FLEET_NACK} (fleet {NEW}; this proxy serves fleet {OLD}): ..."
+    await replica.catalog.put_acks("cp-2", {"p-old": (5, nack)}, lease, version=901)
+    await web.sample(1_000.0)
+    assert replica.watch.in_question() and not replica.watch.refusing
+
+    fresh = await replica.connect("p-new")
+    assert await withheld(replica, "p-new", fresh)
+    assert "1 proxies (of other replicas) refuse route tables" in replica.watch.problem()
+    # Adopted there: it takes cp-2's table, and its registration says so.
+    await replica.catalog.put_acks("cp-2", {"p-old": (901, "")}, lease, version=901)
+    await web.sample(1_010.0)
+    assert (await fresh.next_table()).table.fleet_id == NEW
+
+
+def test_the_refusal_a_registration_keeps_is_the_one_the_watch_reads() -> None:
+    refused = refusal(OLD, True, fleet_table(900, NEW))
+    assert refused is not None and str(refused).startswith(ANOTHER_FLEET_NACK)
