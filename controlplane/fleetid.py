@@ -74,6 +74,13 @@ class FleetWatch:
         # says they refused a table as another fleet's: a replica none of
         # whose own proxies refuse still knows the fleet is in question.
         self.stored_refusing = 0
+        # Proxies that take this replica's tables (their last answer an
+        # ACK), and the registrations whose last answer was an ACK: proxies
+        # that refuse are a question only when they outnumber these, so that
+        # one stray proxy of another fleet pointed here does not keep every
+        # new proxy of this one waiting.
+        self.taking: set[str] = set()
+        self.stored_taking = 0
         # Why the stored fleet id is no fleet id ("" when it is one, or none
         # is stored): this replica's tables carry none, so the proxies judge
         # them by auth alone, until `pontoctl fleet adopt` replaces it.
@@ -136,6 +143,7 @@ class FleetWatch:
         older proxy's), ACKed (refused False) or NACKed a table of this
         replica's."""
         if refused and served and self.fleet_id and served != self.fleet_id:
+            self.taking.discard(proxy)
             self.refusing[proxy] = served
             if served not in self._told:
                 self._told.add(served)
@@ -150,37 +158,51 @@ class FleetWatch:
                     served,
                 )
         else:
+            if refused:
+                self.taking.discard(proxy)
+            else:
+                self.taking.add(proxy)
             self._settle(proxy)
+        self._changed()
 
     def ended(self, proxy: str) -> None:
         """Proxy `proxy`'s stream with this replica ended."""
+        self.taking.discard(proxy)
         self._settle(proxy)
+        self._changed()
 
     def _settle(self, proxy: str) -> None:
         """Proxy `proxy` refuses this replica's tables no more."""
         if self.refusing.pop(proxy, None) is not None and not self.refusing:
             self._told.clear()  # a next loss is news again
-            self._changed()
 
     def seen(self, proxies: Iterable[ProxyRecord]) -> None:
         """The proxies' registrations as stored, every replica's (read by
         the status page's sampling, StatusWeb.sample, a few times a
         minute): count those whose last answer refused a table as another
-        fleet's."""
-        was = self.stored_refusing
-        self.stored_refusing = sum(
-            1 for p in proxies if p.last_error.startswith(ANOTHER_FLEET_NACK)
-        )
-        if was and not self.stored_refusing:
-            self._changed()
+        fleet's, and those whose last answer took one."""
+        refusing = taking = 0
+        for p in proxies:
+            if p.last_error.startswith(ANOTHER_FLEET_NACK):
+                refusing += 1
+            elif not p.last_error and p.acked_version:
+                taking += 1
+        self.stored_refusing, self.stored_taking = refusing, taking
+        self._changed()
+
+    def _refusals_prevail(self) -> bool:
+        """More proxies refuse the tables as another fleet's than take them,
+        among this replica's, or among all as stored."""
+        return len(self.refusing) > len(self.taking) or self.stored_refusing > self.stored_taking
 
     def in_question(self) -> bool:
-        """Whether a proxy that holds no table must wait for one: proxies
-        refuse this replica's tables as another fleet's, or it replaced the
-        fleet id less than REPLACED_GRACE_S ago. Not for a fresh install
-        (no id replaced, none refusing), nor a scale-up, nor a whole fleet
-        restarted without its state (none refusing)."""
-        if self.refusing or self.stored_refusing:
+        """Whether a proxy that holds no table must wait for one: more
+        proxies refuse the tables as another fleet's than take them, or this
+        replica replaced the fleet id less than REPLACED_GRACE_S ago. Not for
+        a fresh install (no id replaced, none refusing), nor a scale-up, nor
+        a whole fleet restarted without its state (none refusing), nor a
+        stray proxy of another fleet among this one's (outnumbered)."""
+        if self._refusals_prevail():
             return True
         return bool(self.replaced) and self._clock() - self._replaced_at < REPLACED_GRACE_S
 
@@ -195,7 +217,7 @@ class FleetWatch:
                 self._change = asyncio.Event()
             change = self._change
             left = None
-            if not self.refusing and not self.stored_refusing:
+            if not self._refusals_prevail():
                 left = max(0.0, REPLACED_GRACE_S - (self._clock() - self._replaced_at))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):

@@ -222,3 +222,22 @@ async def test_refusals_on_another_replica_keep_a_proxy_without_a_table_waiting(
 def test_the_refusal_a_registration_keeps_is_the_one_the_watch_reads() -> None:
     refused = refusal(OLD, True, fleet_table(900, NEW))
     assert refused is not None and str(refused).startswith(ANOTHER_FLEET_NACK)
+
+
+async def test_a_stray_proxy_of_another_fleet_keeps_no_new_proxy_waiting(
+    replica: Replica,
+) -> None:
+    """A proxy of another fleet pointed at this control plane refuses its
+    tables for as long as it stays; the proxies that take them outnumber it."""
+    replica.publisher.publish(fleet_table(5, OLD))
+    replica.watch.published(OLD)
+    for name in ("p1", "p2"):
+        stream = await replica.connect(name, holds=5, fleet=OLD)
+        await answer(stream, await stream.next_table(), OLD)
+    stray = await replica.connect("p-stray", holds=7, fleet=NEW)
+    await answer(stray, await stray.next_table(), NEW, error="another fleet's table")
+    await until(lambda: replica.watch.refusing and len(replica.watch.taking) == 2)
+    assert not replica.watch.in_question()
+    assert "they serve fleet bbbbbbbbbbbbbbbb" in replica.watch.problem()  # still told
+    added = await replica.connect("p3")
+    assert (await added.next_table()).table.fleet_id == OLD
