@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 # holder.refusal; tests/unit/test_fleet_withheld.py holds the two together),
 # as a registration keeps it (ProxyRecord.last_error).
 ANOTHER_FLEET_NACK = "another fleet's table"
+# And of one that would open it (a closed proxy, a table requiring no key).
+WOULD_OPEN_NACK = "table would open this proxy"
 
 # How long after this replica replaced the fleet id a proxy that holds no
 # table waits for one though no proxy refuses (yet): the proxies that hold the
@@ -80,6 +82,11 @@ class FleetWatch:
         # one stray proxy of another fleet pointed here does not keep every
         # new proxy of this one waiting.
         self.taking: set[str] = set()
+        # This replica's proxies whose last answer refused its table as
+        # opening them (the fleet's keys lost with etcd, adopted before they
+        # were made again): a proxy that holds no table would take that open
+        # table, so they count as refusing, in the stored registrations too.
+        self.opening: set[str] = set()
         self.stored_taking = 0
         # Why the stored fleet id is no fleet id ("" when it is one, or none
         # is stored): this replica's tables carry none, so the proxies judge
@@ -138,10 +145,14 @@ class FleetWatch:
             self.replaced = ""
             self._changed()
 
-    def answered(self, proxy: str, served: str, *, refused: bool) -> None:
+    def answered(self, proxy: str, served: str, *, refused: bool, opening: bool = False) -> None:
         """Proxy `proxy`, serving fleet `served` ("" if it does not say: an
         older proxy's), ACKed (refused False) or NACKed a table of this
-        replica's."""
+        replica's (`opening`: as one that would open it)."""
+        if opening:
+            self.opening.add(proxy)
+        else:
+            self.opening.discard(proxy)
         if refused and served and self.fleet_id and served != self.fleet_id:
             self.taking.discard(proxy)
             self.refusing[proxy] = served
@@ -168,6 +179,7 @@ class FleetWatch:
     def ended(self, proxy: str) -> None:
         """Proxy `proxy`'s stream with this replica ended."""
         self.taking.discard(proxy)
+        self.opening.discard(proxy)
         self._settle(proxy)
         self._changed()
 
@@ -183,7 +195,7 @@ class FleetWatch:
         fleet's, and those whose last answer took one."""
         refusing = taking = 0
         for p in proxies:
-            if p.last_error.startswith(ANOTHER_FLEET_NACK):
+            if p.last_error.startswith((ANOTHER_FLEET_NACK, WOULD_OPEN_NACK)):
                 refusing += 1
             elif not p.last_error and p.acked_version:
                 taking += 1
@@ -191,9 +203,10 @@ class FleetWatch:
         self._changed()
 
     def _refusals_prevail(self) -> bool:
-        """More proxies refuse the tables as another fleet's than take them,
-        among this replica's, or among all as stored."""
-        return len(self.refusing) > len(self.taking) or self.stored_refusing > self.stored_taking
+        """More proxies refuse the tables as another fleet's (or as opening
+        them) than take them, among this replica's, or among all as stored."""
+        refusing = len(self.refusing) + len(self.opening - self.refusing.keys())
+        return refusing > len(self.taking) or self.stored_refusing > self.stored_taking
 
     def in_question(self) -> bool:
         """Whether a proxy that holds no table must wait for one: more
@@ -266,6 +279,12 @@ class FleetWatch:
             parts.append(
                 f"{self.stored_refusing} proxies (of other replicas) refuse route tables as "
                 "another fleet's and keep theirs: their replicas' pages name the fleet they serve"
+            )
+        if self.opening:
+            parts.append(
+                f"{len(self.opening)} proxies refuse its route tables as opening them (the "
+                "store holds no API key or JWT issuer, and theirs require one): make the "
+                "keys again"
             )
         if not self.refusing and self.replaced:
             adopt = self.replaced

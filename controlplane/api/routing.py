@@ -21,7 +21,7 @@ import grpc
 from controlplane.api.errors import grpc_errors
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import InvalidArgument
-from controlplane.fleetid import FleetWatch
+from controlplane.fleetid import WOULD_OPEN_NACK, FleetWatch
 from controlplane.loadsync import LoadHub
 from controlplane.metrics import ControlMetrics
 from controlplane.model import NAME_RE, check_name
@@ -477,7 +477,12 @@ class RoutingService:
             if not req.response_nonce:
                 continue
             error = req.error_detail[:1024]
-            self.fleet.answered(name, req.fleet_id[:MAX_FIELD], refused=bool(error))
+            self.fleet.answered(
+                name,
+                req.fleet_id[:MAX_FIELD],
+                refused=bool(error),
+                opening=error.startswith(WOULD_OPEN_NACK),
+            )
             if error:
                 log.warning("proxy NACKed push %s: %s", req.response_nonce, error)
                 await self._held(name, req.version_info)

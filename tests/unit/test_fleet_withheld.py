@@ -16,7 +16,12 @@ import pytest
 from controlplane.api.routing import RoutingService
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
-from controlplane.fleetid import ANOTHER_FLEET_NACK, REPLACED_GRACE_S, FleetWatch
+from controlplane.fleetid import (
+    ANOTHER_FLEET_NACK,
+    REPLACED_GRACE_S,
+    WOULD_OPEN_NACK,
+    FleetWatch,
+)
 from controlplane.model import ProxyRecord
 from controlplane.registry import ProxyRegistry
 from controlplane.store.memory import MemoryStore
@@ -219,9 +224,37 @@ async def test_refusals_on_another_replica_keep_a_proxy_without_a_table_waiting(
     assert (await fresh.next_table()).table.fleet_id == NEW
 
 
-def test_the_refusal_a_registration_keeps_is_the_one_the_watch_reads() -> None:
+def test_the_refusals_a_registration_keeps_are_the_ones_the_watch_reads() -> None:
     refused = refusal(OLD, True, fleet_table(900, NEW))
     assert refused is not None and str(refused).startswith(ANOTHER_FLEET_NACK)
+    opening = fleet_table(901, OLD)
+    opening.auth_required = False
+    refused = refusal(OLD, True, opening)
+    assert refused is not None and str(refused).startswith(WOULD_OPEN_NACK)
+
+
+async def test_a_proxy_without_a_table_gets_no_table_that_the_others_refuse_as_opening(
+    replica: Replica,
+) -> None:
+    """Adopted before the keys were made again: the table requires none, the
+    proxies refuse it as opening them, and one that holds no table would
+    serve anyone with it."""
+    open_table = fleet_table(901, OLD)
+    open_table.auth_required = False
+    replica.publisher.publish(open_table)
+    replica.watch.published(OLD)
+    old = await replica.connect("p-old", holds=5, fleet=OLD)
+    await answer(old, await old.next_table(), OLD, error=f"{WOULD_OPEN_NACK} (no API key ...)")
+    await until(lambda: replica.watch.opening)
+    fresh = await replica.connect("p-new")
+    assert await withheld(replica, "p-new", fresh)
+    assert "1 proxies refuse its route tables as opening them" in replica.watch.problem()
+    closed = fleet_table(902, OLD)
+    closed.auth_required = True  # a key made again
+    replica.publisher.publish(closed)
+    await answer(old, await old.next_table(), OLD)
+    got = await fresh.next_table()
+    assert (got.table.version, got.table.auth_required) == (902, True)
 
 
 async def test_a_stray_proxy_of_another_fleet_keeps_no_new_proxy_waiting(
