@@ -124,7 +124,7 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
 
 @contextlib.asynccontextmanager
 async def proxy(
-    port: int, holder: TableHolder | None = None, loads_generation: int = 0
+    port: int, holder: TableHolder | None = None, loads_generation: int = 0, name: str = "p1"
 ) -> AsyncIterator[tuple[TableHolder, ControlPlaneClient]]:
     """A proxy's link running; `holder` (the table it holds) and the load
     generation it took, a proxy's that connects again."""
@@ -132,7 +132,7 @@ async def proxy(
     link = ControlPlaneClient(
         holder,
         [f"127.0.0.1:{port}"],
-        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        pb.ProxyInfo(name=name, region="east", address="127.0.0.1:9", version="test"),
         backoff_min=0.05,
         backoff_max=0.2,
     )
@@ -206,7 +206,9 @@ async def test_trial_73_a_closed_fleet_whose_etcd_came_back_empty_stays_served_a
     empty state, numbered above the proxy: refused (another fleet), and the
     proxy serves its table and its keys. The runbook: apply the configuration
     (no keys in it), adopt the proxies' fleet id: the table would open the
-    proxy, refused; keys made again close it, and the proxy takes it."""
+    proxy, refused; keys made again close it, and the proxy takes it. A proxy
+    started meanwhile without a state directory (a new pod) is sent no table
+    until then: neither the new fleet's nor the open one."""
     plane = await fleet.start_plane()
     async with proxy(fleet.port) as (holder, link):
         await plane.catalog.put_tenant(Tenant("acme"), allow_update=False)
@@ -221,11 +223,17 @@ async def test_trial_73_a_closed_fleet_whose_etcd_came_back_empty_stays_served_a
         assert holder.policy is not None and not holder.policy.authenticator.open
         assert plane.fleet.replaced == served
         await configure(plane, ("m-new",))
-        await plane.catalog.adopt_fleet(served)
-        await until(lambda: holder.refused.get(WOULD_OPEN, 0) > 0, "the open table refused")
-        assert models_of(holder) == {"m-old", "m-filler"} and holder.closed
-        await plane.catalog.put_tenant(Tenant("acme"), allow_update=False)
-        await plane.catalog.create_key("acme")
+        async with proxy(fleet.port, name="p2") as (new, _):
+            await until(lambda: "p2" in plane.fleet.waiting, "the new proxy waits")
+            assert new.routes is None
+            await plane.catalog.adopt_fleet(served)
+            await until(lambda: holder.refused.get(WOULD_OPEN, 0) > 0, "the open table refused")
+            assert models_of(holder) == {"m-old", "m-filler"} and holder.closed
+            assert new.routes is None and "p2" in plane.fleet.waiting
+            await plane.catalog.put_tenant(Tenant("acme"), allow_update=False)
+            await plane.catalog.create_key("acme")
+            await until(lambda: models_of(new) == {"m-new"}, "the new proxy takes the table")
+            assert new.closed and new.fleet_id == served
         await until(lambda: models_of(holder) == {"m-new"}, "the closed table taken")
         assert holder.closed and holder.fleet_id == served
         assert holder.routes is not None and holder.routes.version > before
