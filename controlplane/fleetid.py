@@ -88,6 +88,9 @@ class FleetWatch:
         # table, so they count as refusing, in the stored registrations too.
         self.opening: set[str] = set()
         self.stored_taking = 0
+        # Whether seen() gave the stored counts yet (until then: this
+        # replica's counts alone decide, _refusals_prevail).
+        self._stored_seen = False
         # Why the stored fleet id is no fleet id ("" when it is one, or none
         # is stored): this replica's tables carry none, so the proxies judge
         # them by auth alone, until `pontoctl fleet adopt` replaces it.
@@ -200,13 +203,23 @@ class FleetWatch:
             elif not p.last_error and p.acked_version:
                 taking += 1
         self.stored_refusing, self.stored_taking = refusing, taking
+        self._stored_seen = True
         self._changed()
 
     def _refusals_prevail(self) -> bool:
         """More proxies refuse the tables as another fleet's (or as opening
-        them) than take them, among this replica's, or among all as stored."""
+        them) than take them: fleet-wide once the stored registrations were
+        read (each count the larger of this replica's, newer, and the
+        stored, every replica's), among this replica's before. Review 295:
+        this replica's alone decided too, so one stray proxy of another
+        fleet on a replica few proxies use kept every new one there waiting,
+        however many took the tables elsewhere."""
         refusing = len(self.refusing) + len(self.opening - self.refusing.keys())
-        return refusing > len(self.taking) or self.stored_refusing > self.stored_taking
+        taking = len(self.taking)
+        if self._stored_seen:
+            refusing = max(refusing, self.stored_refusing)
+            taking = max(taking, self.stored_taking)
+        return refusing > taking
 
     def in_question(self) -> bool:
         """Whether a proxy that holds no table must wait for one: more

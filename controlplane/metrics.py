@@ -301,6 +301,15 @@ class ControlMetrics:
             r,
         )
         _Reading(
+            "ponto_control_proxies_withheld",
+            "Proxies connected to this replica that hold no route table and are sent "
+            "none while the fleet id is in question (proxies refuse the tables as "
+            "another fleet's, or as opening them): unready until it is settled",
+            (),
+            lambda: [((), float(len(self._fleet.waiting)))],
+            r,
+        )
+        _Reading(
             "ponto_control_proxies_other_fleet",
             "Proxies connected to this replica that refuse its route tables as another "
             "fleet's, by the fleet id they serve (the id `pontoctl fleet adopt` takes)",

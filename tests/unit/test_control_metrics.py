@@ -66,6 +66,7 @@ CONTRACT = {
     "ponto_control_info": ("gauge", {"replica", "version"}),
     "ponto_control_fleet_replaced": ("gauge", set()),
     "ponto_control_proxies_other_fleet": ("gauge", {"fleet_id"}),
+    "ponto_control_proxies_withheld": ("gauge", set()),
     # prometheus_client's process and platform collectors
     "process_virtual_memory_bytes": ("gauge", set()),
     "process_resident_memory_bytes": ("gauge", set()),

@@ -99,6 +99,10 @@ def test_a_replica_that_made_a_new_fleet_id_after_serving_another_says_so(
     text = generate_latest(metrics.registry).decode()
     assert "ponto_control_fleet_replaced 1.0" in text
     assert 'ponto_control_proxies_other_fleet{fleet_id="aaaaaaaaaaaaaaaa"} 2.0' in text
+    assert "ponto_control_proxies_withheld 0.0" in text
+    watch.waiting.add("p-new")  # as the routing service notes one it sends no table (review 295)
+    assert "ponto_control_proxies_withheld 1.0" in generate_latest(metrics.registry).decode()
+    watch.waiting.discard("p-new")
     # An older proxy says no fleet; a NACK for another reason is no refusal of the fleet.
     watch.answered("p3", "", refused=True)
     assert set(watch.refusing) == {"p1", "p2"}

@@ -274,3 +274,27 @@ async def test_a_stray_proxy_of_another_fleet_keeps_no_new_proxy_waiting(
     assert "they serve fleet bbbbbbbbbbbbbbbb" in replica.watch.problem()  # still told
     added = await replica.connect("p3")
     assert (await added.next_table()).table.fleet_id == OLD
+
+
+def test_a_stray_alone_on_a_replica_is_outnumbered_by_the_takers_elsewhere() -> None:
+    """Review 295: the replica's own streams decided alone, so one stray
+    proxy of another fleet on a replica no taking proxy used (one just added
+    or restarted) kept every new proxy there waiting, though five took the
+    tables through the other replicas. Once the stored registrations are
+    read, the fleet-wide counts decide."""
+    watch = FleetWatch(Clock())
+    watch.published(OLD)
+    watch.answered("p-stray", NEW, refused=True)
+    assert watch.in_question()  # nothing read of the others yet
+    takers = [
+        ProxyRecord(f"p{n}", "eu", f"p{n}:8080", "1.0", f"s-{n}", "cp-2", 900.0, acked_version=5)
+        for n in range(5)
+    ]
+    stray = ProxyRecord(
+        "p-stray", "eu", "p-stray:8080", "1.0", "s-stray", "cp", 900.0, acked_version=3,
+        last_error=f"{ANOTHER_FLEET_NACK} (fleet {OLD}; this proxy serves fleet {NEW}): ...",
+    )  # fmt: skip
+    watch.seen([*takers, stray])
+    assert not watch.in_question()
+    watch.seen([stray])  # the takers gone: the stray prevails again
+    assert watch.in_question()
