@@ -227,31 +227,46 @@ async def send_whole(request: web.Request, response: web.Response) -> bool:
     metrics and access log) is not in the client's wait.
 
     On the edge the answer is handed to the transport without a wait
-    (EdgeProtocol.send_whole): a client that reads slowly or leaves neither
-    holds nor cuts short that work, which waits on nothing either, so it is
-    done before the loop serves anything else. While draining, the answer
-    closes its connection, as `errors_and_metrics` would decide after the
-    handler.
+    (`hand_over`, which the pipeline calls there without this coroutine): a
+    client that reads slowly or leaves neither holds nor cuts short that
+    work, which waits on nothing either, so it is done before the loop
+    serves anything else. While draining, the answer closes its connection,
+    as `errors_and_metrics` would decide after the handler.
 
     False when its client was gone, so that nothing was handed over (counted
     as a client disconnect here); the caller records the request as a 499.
     """
-    if request.app[DRAINING].active:
-        response.force_close()
     protocol = request.protocol
     if isinstance(protocol, EdgeProtocol):
-        if protocol.send_whole(request, response):
-            return True
-        transport = request.transport
-        if transport is not None and not transport.is_closing():
-            return True  # not one it sends early: written once the handler returns
-    else:
-        try:  # aiohttp's own server (tests)
-            await response.prepare(request)
-            await response.write_eof()
-            return True
-        except ConnectionError:
-            pass
+        return hand_over(request, protocol, response)
+    if request.app[DRAINING].active:
+        response.force_close()
+    try:  # aiohttp's own server (tests)
+        await response.prepare(request)
+        await response.write_eof()
+        return True
+    except ConnectionError:
+        pass
+    return _client_gone(request)
+
+
+def hand_over(request: web.Request, protocol: EdgeProtocol, response: web.Response) -> bool:
+    """`send_whole` on the edge, where it waits for nothing: a plain call, not
+    a coroutine (some 700 instructions fewer a request). `protocol` is the
+    request's."""
+    if request.app[DRAINING].active:
+        response.force_close()
+    if protocol.send_whole(request, response):
+        return True
+    transport = request.transport
+    if transport is not None and not transport.is_closing():
+        return True  # not one it sends early: written once the handler returns
+    return _client_gone(request)
+
+
+def _client_gone(request: web.Request) -> bool:
+    """False, having counted the client disconnect (not a cut for stalling,
+    which is counted as such)."""
     if not cut_for_stalling(request):
         request.app[METRICS].client_disconnects.inc()
     return False
