@@ -511,6 +511,8 @@ class Metrics:
         # its family holds series.
         self._requests_of: dict[tuple[str, ...], CounterCell] = {}
         self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell | None]] = {}
+        # (operation, model, error_type, region, cache): the GenAI duration's.
+        self._durations_of: dict[tuple[str, str, str, str, str], HistogramCell] = {}
         by_key = ["key"] if key_labels else []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -991,9 +993,18 @@ class Metrics:
         elif excused:
             self.excused[region] = self.excused.get(region, 0) + 1
         provider = GENAI_PROVIDER
-        self.genai_duration.observe_at(
-            duration_s, operation, provider, model, error_type, region, cache
-        )
+        # The cells by their label values, and HistogramCell.observe's steps
+        # inline, not Histogram.observe_at's call with its six label values
+        # and two calls of observe: this runs once a request (callgrind on a
+        # loop of operation: 11,300 instructions a call before, 10,100 now).
+        found = (operation, model, error_type, region, cache)
+        cell = self._durations_of.get(found)
+        if cell is None:
+            cell = self._durations_of[found] = self.genai_duration.labels(
+                operation, provider, model, error_type, region, cache
+            )
+        cell.counts[bisect.bisect_left(cell._bounds, duration_s)] += 1
+        cell.sum += duration_s
         if first_chunk_s is not None:
             self.genai_first_chunk.labels(operation, provider, model, region, cache).observe(
                 first_chunk_s
@@ -1012,9 +1023,14 @@ class Metrics:
                     if operation == EMBEDDINGS
                     else tokens.labels(operation, provider, model, "output", region),
                 )
-            cells[0].observe(usage.prompt_tokens)
-            if cells[1] is not None:
-                cells[1].observe(usage.completion_tokens)
+            prompt, cell = usage.prompt_tokens, cells[0]
+            cell.counts[bisect.bisect_left(cell._bounds, prompt)] += 1
+            cell.sum += prompt
+            cell = cells[1]
+            if cell is not None:
+                completion = usage.completion_tokens
+                cell.counts[bisect.bisect_left(cell._bounds, completion)] += 1
+                cell.sum += completion
 
     def origins_named(self, origins: Iterable[str]) -> None:
         """The origins a table names (each apply): their ejection and stream
