@@ -38,9 +38,10 @@ from dataplane.http.state import (
     REQUEST_ID,
     REQUEST_IDS,
     SERVER_NAME,
+    Draining,
     stopping,
 )
-from dataplane.metrics import GENAI_OPERATIONS
+from dataplane.metrics import GENAI_OPERATIONS, Metrics
 
 if TYPE_CHECKING:
     from dataplane.auth.authenticator import Principal
@@ -62,13 +63,14 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     probes or scrapes (accesslog.PROBES), which would count themselves."""
     endpoint = request.match_info.route.name or "other"
     app = request.app  # once: a property of a property
+    m = app[METRICS]  # once too: an Application's __getitem__ is a Python call
     if endpoint in accesslog.PROBES:
-        return await _boundary(request, handler, endpoint, app)
-    in_flight = app[METRICS].in_flight.requests
+        return await _boundary(request, handler, endpoint, app, m)
+    in_flight = m.in_flight.requests
     key = id(request)
     in_flight[key] = request
     try:
-        return await _boundary(request, handler, endpoint, app)
+        return await _boundary(request, handler, endpoint, app, m)
     finally:
         del in_flight[key]
 
@@ -100,7 +102,7 @@ def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
 
 
 async def _boundary(
-    request: web.Request, handler: Handler, endpoint: str, app: web.Application
+    request: web.Request, handler: Handler, endpoint: str, app: web.Application, m: Metrics
 ) -> web.StreamResponse:
     """The error boundary: every failure becomes an OpenAI-style error, and every
     answer is counted and carries `x-request-id`.
@@ -141,7 +143,7 @@ async def _boundary(
         # but the request is still counted and logged, as nginx's 499.
         error = cancel_reason(request)
         if error == CLIENT_GONE:
-            app[METRICS].client_disconnects.inc()
+            m.client_disconnects.inc()
         ex = request.get(EXCHANGE)
         status = CLIENT_CLOSED
         if (ex is None or ex.answer is None) and stopping(request):
@@ -151,7 +153,7 @@ async def _boundary(
             told = _stopped_answer(request, request_id, ex)
             if told is not None:
                 status, error = told.status, told.code or error
-        _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
+        _record_or_log(app, m, request, request_id, endpoint, ex, status, error, started)
         raise
     except Exception as exc:
         ex = request.get(EXCHANGE)
@@ -171,7 +173,7 @@ async def _boundary(
         response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
     if failed and ex is not None:
         _error_headers(response, ex)
-    _record_or_log(app, request, request_id, endpoint, ex, status, error, started)
+    _record_or_log(app, m, request, request_id, endpoint, ex, status, error, started)
     return response
 
 
@@ -203,6 +205,7 @@ def _stopped_answer(request: web.Request, request_id: str, ex: Exchange | None) 
 
 def _record_or_log(
     app: web.Application,
+    m: Metrics,
     request: web.Request,
     request_id: str,
     endpoint: str,
@@ -215,7 +218,7 @@ def _record_or_log(
     answer stands (it may be out already) and a cancellation goes on. Logged
     once, with its traceback."""
     try:
-        _record(app, request, request_id, endpoint, ex, status, error, started)
+        _record(app, m, request, request_id, endpoint, ex, status, error, started)
     except Exception:
         app.logger.exception("unhandled error recording %s", _what(request))
 
@@ -237,9 +240,10 @@ async def send_whole(request: web.Request, response: web.Response) -> bool:
     as a client disconnect here); the caller records the request as a 499.
     """
     protocol = request.protocol
+    draining = request.app[DRAINING]
     if isinstance(protocol, EdgeProtocol):
-        return hand_over(request, protocol, response)
-    if request.app[DRAINING].active:
+        return hand_over(request, protocol, response, draining)
+    if draining.active:
         response.force_close()
     try:  # aiohttp's own server (tests)
         await response.prepare(request)
@@ -250,11 +254,14 @@ async def send_whole(request: web.Request, response: web.Response) -> bool:
     return _client_gone(request)
 
 
-def hand_over(request: web.Request, protocol: EdgeProtocol, response: web.Response) -> bool:
+def hand_over(
+    request: web.Request, protocol: EdgeProtocol, response: web.Response, draining: Draining
+) -> bool:
     """`send_whole` on the edge, where it waits for nothing: a plain call, not
     a coroutine (some 700 instructions fewer a request). `protocol` is the
-    request's."""
-    if request.app[DRAINING].active:
+    request's, `draining` its app's DRAINING (the pipeline holds it: reading
+    it through request.app costs some 1,900 instructions)."""
+    if draining.active:
         response.force_close()
     if protocol.send_whole(request, response):
         return True
@@ -361,6 +368,7 @@ def excused_here(ex: Exchange, status: int, error: str) -> bool:
 
 def _record(
     app: web.Application,
+    m: Metrics,
     request: web.BaseRequest,
     request_id: str,
     endpoint: str,
@@ -373,8 +381,8 @@ def _record(
 ) -> None:
     """Count the answer (ponto_requests_total, the GenAI metrics of a proxied
     request) and give it its access-log line. Once per request. `unparsed`:
-    a message the HTTP parser refused, whose request is aiohttp's stand-in."""
-    m = app[METRICS]
+    a message the HTTP parser refused, whose request is aiohttp's stand-in.
+    `m`: app[METRICS], which the caller has read."""
     if not error and ex is not None:
         error = ex.stream_error
     logged = error
@@ -629,7 +637,10 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         what=f"{request.method} {request.path}",
     )
     name = request.match_info.route.name or "other"
-    _record(request.app, request, request_id, name, None, error.status, error.code or "", started)
+    app = request.app
+    _record(
+        app, app[METRICS], request, request_id, name, None, error.status, error.code or "", started
+    )
     response = error.response()
     if error.status == 413 and not request.content.total_bytes:
         # The client waits for the 100 before it sends the body, and sends
@@ -649,5 +660,14 @@ def record_unparsed(
     logs it) and give it its access-log line: endpoint `other`, method
     `UNKNOWN`, no path (the parser gave neither) and no tenant."""
     _record(
-        app, request, request_id, "other", None, status, error, time.perf_counter(), unparsed=True
+        app,
+        app[METRICS],
+        request,
+        request_id,
+        "other",
+        None,
+        status,
+        error,
+        time.perf_counter(),
+        unparsed=True,
     )

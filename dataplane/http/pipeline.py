@@ -76,7 +76,7 @@ from dataplane.http.resume import (
     counts_finishes,
     held_against,
 )
-from dataplane.http.state import REQUEST_ID, SERVER_NAME, stopping
+from dataplane.http.state import REQUEST_ID, SERVER_NAME, Draining, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, Key, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -390,6 +390,7 @@ class Pipeline:
         stalls: Stalls | None = None,
         tracer: RequestTracer | None = None,
         origin_stream_usage: bool = True,
+        draining: Draining | None = None,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -407,6 +408,9 @@ class Pipeline:
         # Streams stalled on an origin the table marks unhealthy end sooner.
         self.stalls = stalls or Stalls(None)
         self.tracer = tracer
+        # The app's DRAINING (a new one, never active, when not given), read
+        # by every whole answer sent early (sent_now).
+        self.draining = draining if draining is not None else Draining()
         # Flights' tasks whose leading client left (Pipeline.lead): kept until
         # they end, cancelled by `close`.
         self._detached: set[asyncio.Task[web.StreamResponse]] = set()
@@ -657,7 +661,7 @@ class Pipeline:
             if plan.entry is not None:
                 ex.usage = Usage(0, 0)  # no origin tokens were spent: the estimate back
                 replayed = reply.replay(ex, plan.entry, plan.similarity)
-                if (now := sent_now(request, ex, replayed)) is not None:
+                if (now := sent_now(request, ex, self.draining, replayed)) is not None:
                     return now
                 return await sent(request, ex, replayed)
             # A follower whose leader's client left may follow a new flight
@@ -678,7 +682,7 @@ class Pipeline:
                     if not whole:  # the flight's stream was cut, and so was this copy
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
-                    if (relayed := sent_now(request, ex, response)) is not None:
+                    if (relayed := sent_now(request, ex, self.draining, response)) is not None:
                         return relayed
                     return await sent(request, ex, response)
                 plan = ex.cache = await self.cache.own_call(creq, plan)
@@ -865,7 +869,7 @@ class Pipeline:
                 answer = reply.origin_stream(ex, origin, plan.outcome, frames)
         if answer is None:
             answer = reply.origin_body(ex, origin, plan.outcome, body)
-        response = sent_now(request, ex, answer)
+        response = sent_now(request, ex, self.draining, answer)
         if response is None:
             response = await sent(request, ex, answer)
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
@@ -1256,18 +1260,20 @@ async def sent(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT
     return response
 
 
-def sent_now(request: web.Request, ex: Exchange, response: AnswerT) -> AnswerT | None:
+def sent_now(
+    request: web.Request, ex: Exchange, draining: Draining, response: AnswerT
+) -> AnswerT | None:
     """`sent` where it waits for nothing (on the edge, boundary.hand_over; or a
     stream), as a plain call: some 1,400 instructions a request fewer than
     two coroutines. None on aiohttp's own server (tests) for a whole answer,
-    which the caller then awaits `sent` for."""
+    which the caller then awaits `sent` for. `draining`: the app's DRAINING."""
     if isinstance(response, web.Response) and not response.prepared:
         protocol = request.protocol
         if not isinstance(protocol, EdgeProtocol):
             return None
         ex.answer = response
         response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
-        if not hand_over(request, protocol, response):
+        if not hand_over(request, protocol, response, draining):
             ex.stream_error = gone_reason(request)  # a 499 (boundary.returned_status)
     return response
 

@@ -275,6 +275,7 @@ class Proxy:
             stalls=self.stalls,
             tracer=self.tracer,
             origin_stream_usage=settings.origin_stream_usage,
+            draining=self.draining,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),

@@ -34,7 +34,7 @@ from dataplane.http.state import DRAINING, METRICS, Draining, stopping
 from dataplane.policy import build_policy
 from dataplane.routes import build_routes
 from tests.functional.edgestack import serve_on_edge
-from tests.functional.test_pipeline import FIRST_CHUNK, KEY, chat
+from tests.functional.test_pipeline import COMPLETION, FIRST_CHUNK, KEY, chat
 from tests.unit.test_placement import two_region_table
 
 WAIT = 10.0
@@ -146,6 +146,45 @@ async def test_a_stream_begun_while_stopping_says_its_connection_closes(proxy: S
         resp.release()
         await asyncio.wait_for(stop, WAIT)
     assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_whole_answer_sent_while_stopping_says_its_connection_closes(
+    tmp_path: Path,
+) -> None:
+    """The stream test's twin for a whole answer, which the pipeline hands to
+    the transport before its handler returns (boundary.hand_over, with the
+    pipeline's DRAINING): a stop begun while its origin worked closes the
+    connection after it, as the error boundary would decide after the handler."""
+    taken = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def whole(request: web.Request) -> web.Response:
+        await request.read()
+        taken.set()
+        await answer.wait()
+        return web.json_response(COMPLETION)
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", whole)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    served = await serve_on_edge(tmp_path, str(origin.make_url("/v1")))
+    url = f"http://127.0.0.1:{served.port}/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.create_task(
+                session.post(url, json=chat("late", temperature=1), headers=HEADERS)
+            )
+            await asyncio.wait_for(taken.wait(), WAIT)
+            served.app[DRAINING].active = True
+            answer.set()
+            resp = await asyncio.wait_for(call, WAIT)
+            assert resp.status == 200
+            assert (await resp.json())["choices"] == COMPLETION["choices"]
+            assert resp.headers["connection"].lower() == "close"
+    finally:
+        await served.runner.cleanup()
+        await origin.close()
 
 
 @pytest.mark.parametrize("expect100", [False, True], ids=["plain", "expect-100-continue"])
