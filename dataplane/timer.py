@@ -55,7 +55,16 @@ class LazyTimer:
         return self._due is not None
 
     def arm(self, delay: float, late: Callable[[], None]) -> None:
-        self.arm_at(self._loop.time() + delay, late)
+        # arm_at's steps, not a call of it: connections arm a deadline or two
+        # a request (callgrind on a loop of arm and disarm: 2,600
+        # instructions a pair with the call, 2,200 without).
+        due = self._loop.time() + delay
+        self._due, self._late = due, late
+        timer = self._timer
+        if timer is None or timer.when() > due:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(due, self._tick)
 
     def arm_at(self, due: float, late: Callable[[], None]) -> None:
         """`late` runs at loop time `due` (as `arm`, for a deadline already absolute)."""
