@@ -126,6 +126,33 @@ def test_jwt_callers_are_labelled_by_their_tenant_not_their_subject() -> None:
     text = generate_latest(m.registry).decode()
     assert "user-" not in text
     assert len(m._requests_of) == 2
+    assert len(m._requests_by) == 1  # the API key's: no cell kept by a subject
+    assert len(m._tokens_for) == 1
+
+
+def test_a_forgotten_tenant_counts_from_zero_when_it_comes_back() -> None:
+    """forget_tenants drops a deleted tenant's series; the cells kept for its
+    next requests go with them, or its counts would move cells no longer
+    exported."""
+    m = Metrics()
+    for tenant in ("acme", "beta"):
+        for _ in range(2):
+            m.account_request(tenant, "key-1", 200)
+            m.account_tokens(tenant, "key-1", Usage(3, 5))
+    m.forget_tenants({"beta"})
+    get = m.registry.get_sample_value
+    acme = {"tenant": "acme", "key": "key-1"}
+    assert get("ponto_tenant_requests_total", {**acme, "code": "200"}) is None
+    assert get("ponto_tenant_tokens_total", {**acme, "kind": "prompt"}) is None
+    m.account_request("acme", "key-1", 200)
+    m.account_tokens("acme", "key-1", Usage(3, 5))
+    m.account_request("beta", "key-1", 200)
+    assert get("ponto_tenant_requests_total", {**acme, "code": "200"}) == 1
+    assert get("ponto_tenant_tokens_total", {**acme, "kind": "prompt"}) == 3
+    assert get("ponto_tenant_tokens_total", {**acme, "kind": "completion"}) == 5
+    beta = {"tenant": "beta", "key": "key-1"}
+    assert get("ponto_tenant_requests_total", {**beta, "code": "200"}) == 3
+    assert get("ponto_tenant_tokens_total", {**beta, "kind": "prompt"}) == 6
 
 
 def test_the_regional_cache_is_up_or_degraded_only_when_there_is_one() -> None:
