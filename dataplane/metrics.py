@@ -515,6 +515,8 @@ class Metrics:
         # subject, key_label): no label to work out on the usual request.
         self._requests_by: dict[tuple[str, str, int], CounterCell] = {}
         self._tokens_of: dict[tuple[str, str, str], tuple[HistogramCell, HistogramCell | None]] = {}
+        # (endpoint, status): ponto_requests_total's and the request duration's.
+        self._answers_of: dict[tuple[str, int], tuple[CounterCell, HistogramCell]] = {}
         # (operation, model, error_type, region, cache): the GenAI duration's.
         self._durations_of: dict[tuple[str, str, str, str, str], HistogramCell] = {}
         # (tenant, key label) or (tenant,): the tenant's prompt and completion
@@ -947,6 +949,25 @@ class Metrics:
         self._requests_by = {k: cell for k, cell in self._requests_by.items() if kept(k[:1])}
         for values in self.tenant_tokens.forget(kept):
             self._tokens_for.pop(values[:-1], None)  # less the token type
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        """An answer of `status` to a request of `endpoint` that took `seconds`:
+        ponto_requests_total and ponto_request_duration_seconds (the error
+        boundary, once a request). Their cells are kept by what it is given,
+        and the observation made in place: callgrind on a loop, 5,300
+        instructions a request through Counter.add and Histogram.observe_at
+        (with str(status)), 3,200 so."""
+        given = (endpoint, status)
+        cells = self._answers_of.get(given)
+        if cells is None:
+            cells = self._answers_of[given] = (
+                self.requests.labels(endpoint, str(status)),
+                self.duration.labels(endpoint),
+            )
+        cells[0].value += 1.0
+        cell = cells[1]
+        cell.counts[bisect.bisect_left(cell._bounds, seconds)] += 1  # HistogramCell.observe's
+        cell.sum += seconds
 
     def account_request(self, tenant: str, key: str, status: int) -> None:
         # Once a request: its cell by what it is given first (callgrind on a

@@ -395,11 +395,10 @@ def _record(
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
-    m.requests.add(endpoint, str(status))
     if error in NOT_SERVER_ERRORS:
         m.not_cached.labels(endpoint).inc()
     finished = time.perf_counter()
-    m.duration.observe_at(finished - started, endpoint)
+    m.answered(endpoint, status, finished - started)
     if ex is not None:
         m.operation(
             GENAI_OPERATIONS.get(ex.endpoint.name, ex.endpoint.name),
