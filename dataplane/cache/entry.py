@@ -187,26 +187,47 @@ def from_completion(
     finish naturally (see `finish_refusal`), or larger than max_bytes. The caller
     checks the status first: only a 200 may be passed here. `parsed` is the body
     already parsed by the caller (None if it is not JSON), so it is parsed once."""
+    return judge_completion(
+        body, now=now, store_truncated=store_truncated, max_bytes=max_bytes, parsed=parsed
+    )[0]
+
+
+def judge_completion(
+    body: bytes,
+    *,
+    now: float,
+    store_truncated: bool = False,
+    max_bytes: int | None = None,
+    parsed: Any = jsonio.NOT_PARSED,
+) -> tuple[CachedResponse | None, str | None]:
+    """`from_completion`'s entry, and when its choices' finish reasons kept it
+    out, their `finish_refusal` (None otherwise: kept, or not for another
+    reason). With a max_bytes, that refusal gives the answer's
+    `body_unkept_reason` as `unkept_reason(refusal)` does: its checks came
+    first and passed (not too large, a list of choices, each a dict), so the
+    usual answer not kept (one its max_tokens cut) is judged once, not twice."""
     if max_bytes is not None and len(body) + ENTRY_OVERHEAD > max_bytes:
-        return None
+        return None, None
     obj = jsonio.loads_or_none(body) if parsed is jsonio.NOT_PARSED else parsed
     if not isinstance(obj, dict) or obj.get("error") is not None:
-        return None
+        return None, None
     kind = _body_kind(obj)
     if kind is None:
-        return None
+        return None, None
     if kind is not _EMBEDDINGS:
         reasons = []
         for choice in obj["choices"]:
             if not isinstance(choice, dict):
-                return None
+                return None, None
             reasons.append(choice.get("finish_reason"))
-        if finish_refusal(reasons, store_truncated=store_truncated) is not None:
-            return None
+        refusal = finish_refusal(reasons, store_truncated=store_truncated)
+        if refusal is not None:
+            return None, refusal
     model = obj.get("model")
-    return CachedResponse(
+    entry = CachedResponse(
         kind=kind, created_at=now, model=model if isinstance(model, str) else "", body=body
     )
+    return entry, None
 
 
 def _body_kind(obj: dict[str, Any]) -> ResponseKind | None:

@@ -62,8 +62,8 @@ from dataplane.cache.entry import (
     CachedResponse,
     StreamRecorder,
     body_unkept_reason,
-    from_completion,
     holds_tool_calls,
+    judge_completion,
     to_completion,
     unkept_reason,
 )
@@ -598,7 +598,7 @@ class EdgeCache:
         if status != 200 or not plan.key:
             return None
         policy = req.tenant.cache
-        entry = from_completion(
+        entry, refusal = judge_completion(
             body,
             now=self._clock(),
             store_truncated=policy.store_truncated,
@@ -606,8 +606,17 @@ class EdgeCache:
             parsed=obj,
         )
         if entry is None:
-            plan.unkept = body_unkept_reason(
-                body, obj, max_bytes=policy.max_entry_bytes, store_truncated=policy.store_truncated
+            # The finish reasons' refusal, when it was that, gives the reason
+            # without a second look at the body (judge_completion).
+            plan.unkept = (
+                unkept_reason(refusal)
+                if refusal is not None
+                else body_unkept_reason(
+                    body,
+                    obj,
+                    max_bytes=policy.max_entry_bytes,
+                    store_truncated=policy.store_truncated,
+                )
             )
             self._metrics.cache_unkept.add(plan.unkept)
         return entry
