@@ -246,7 +246,18 @@ def canonical_request(
         if name == "stream_options" and (usage_in_chunks := _continuous_usage(value)):
             params[name] = usage_in_chunks
             continue
-        if name in NON_AFFECTING or value is None or _is_default(name, value):
+        if (
+            name in NON_AFFECTING
+            or value is None
+            or (name in _DEFAULTS and _is_default(name, value))
+        ):
+            continue
+        # _canon's answer for the usual scalars (max_tokens, temperature 0,
+        # a user), without its call: some 700 instructions each, a few per
+        # request (callgrind on a loop of a chat request's key).
+        kind = type(value)
+        if kind is str or (kind is int and _INT_MIN <= value <= _INT_MAX):
+            params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
             params[name] = _canon_messages(value)
