@@ -27,6 +27,7 @@ from ponto.apikeys import issue_key
 from ponto.originsim.app import SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_origin_max_tokens_field import UNSUPPORTED
 from tests.functional.test_pipeline import (
     COMPLETION,
     ID_KEY,
@@ -634,18 +635,6 @@ async def test_a_jwt_its_tenants_config_cannot_check_is_refused_as_that_tenants(
         "ponto_tenant_requests_total", {"tenant": "badjwt", "key": "-", "code": "503"}
     )
     assert counted == 2.0
-
-
-# OpenAI's answer to a reasoning model sent max_tokens (trial 71).
-UNSUPPORTED = {
-    "error": {
-        "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
-        "Use 'max_completion_tokens' instead.",
-        "type": "invalid_request_error",
-        "param": "max_tokens",
-        "code": "unsupported_parameter",
-    }
-}
 
 
 async def test_an_error_in_a_2xx_body_is_recorded_under_a_name_of_the_proxys(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +31,13 @@ from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 from tests.conftest import EtcdEndpoint
+from tests.integration.test_etcd_restore import until
 
 pytestmark = pytest.mark.integration
 
-WAIT = 20.0  # generous: a shared 2-core machine
 BOOTSTRAP = "bootstrap-secret"
 ADMIN = "admin-secret"
 STARTED_AT = 1_700_000_000.25
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT
-    while not check():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {WAIT}s: {what}")
-        await asyncio.sleep(0.02)
 
 
 class Replicas:
