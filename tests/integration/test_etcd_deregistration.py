@@ -32,6 +32,7 @@ from ponto.v1 import admin_pb2_grpc, routing_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 from tests.conftest import EtcdEndpoint
 from tests.integration.test_etcd_restore import until
+from tests.unit.test_quotasync import running
 
 pytestmark = pytest.mark.integration
 
@@ -107,13 +108,8 @@ async def running_proxy(port: int) -> AsyncIterator[asyncio.Task[None]]:
         pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", started_at=STARTED_AT),
         credentials=ClientOptions(token=BOOTSTRAP),
     )
-    task = asyncio.create_task(link.run())
-    try:
+    async with running(link.run()) as task:
         yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def stop(task: asyncio.Task[None]) -> None:
