@@ -67,11 +67,14 @@ async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Pa
 
         # o2 answers 400x slower (10 tokens in 2 s): after a few of its
         # answers (its first sample is clipped, as a cold one could be) its
-        # sessions go to their next rank.
+        # sessions go to their next rank. How many is "a few" depends on
+        # o2's mean against its peers' before it slowed, which a loaded
+        # machine moves (three to five here when quiet; once six): the bug
+        # this guards kept every one of them on o2.
         await set_speed(stack, 1, 5.0)
         second = [await ask(stack, s, 2) for s in on_o2]
         by = Counter(origin for origin, _ in second)
-        assert by["o2"] <= 5, by
+        assert by["o2"] <= len(on_o2) // 2, by
         assert all(route == "load" for origin, route in second if origin != "o2")
         # The other sessions did not move.
         others = [s for s in range(SESSIONS) if s not in on_o2][:12]
