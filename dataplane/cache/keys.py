@@ -342,20 +342,25 @@ def context_hash(messages: Sequence[Any]) -> str:
     than the text of its content (its name, its image or audio parts), and every
     message after it (tool calls and results of an agent turn), all normalised as
     in the key; and the indentation of that text's lines, when it has several
-    and one is indented (`_indents`). Two requests may share a semantic hit only
+    and one is indented (`_indents`); and, when its parts mix text and images
+    (or audio), where each text sits among them and the text of all but the
+    last run of text parts (`_layout`). Two requests may share a semantic hit only
     when this hash is equal, so a hit never crosses conversations whose earlier
     turns differ, nor code whose indentation differs (its embedding, its names
-    and its quotes cannot tell a call inside a loop from one after it). Without
+    and its quotes cannot tell a call inside a loop from one after it), nor
+    texts moved relative to the images they describe. Without
     a user message the whole list is hashed. Raises UncacheableRequest like the key.
     """
     idx = _last_user_index(messages)
     indents: list[str] | None = None
+    layout: list[Any] | None = None
     if idx is None:
         canon = _canon_messages(list(messages))
     else:
         last = messages[idx]
         assert isinstance(last, Mapping)
         indents = _indents(_text_of(last.get("content")))
+        layout = _layout(last.get("content"))
         canon = [
             *_canon_messages(list(messages[:idx])),
             _canon_message(last, drop_text=True),
@@ -364,6 +369,12 @@ def context_hash(messages: Sequence[Any]) -> str:
     doc: dict[str, Any] = {"last_user": idx is not None, "messages": canon, "v": KEY_VERSION}
     if indents is not None:
         doc["indents"] = indents
+    if layout is not None:
+        # Only for parts of both kinds, so no other namespace moves (no
+        # KEY_VERSION bump). No such doc was written without it, so an
+        # entry of the old rule (this proxy's, or the region's from an older
+        # proxy) is never found by a new one.
+        doc["layout"] = layout
     return hashlib.sha256(jsonio.dumps(doc)).hexdigest()
 
 
@@ -378,6 +389,48 @@ def _indents(text: str | None) -> list[str] | None:
         return None
     indents = [line[: len(line) - len(line.lstrip())] for line in text.split("\n") if line]
     return indents if any(indents) else None
+
+
+def _layout(content: Any) -> list[Any] | None:
+    """Where the texts of a message's parts sit among its other parts (its
+    images, its audio), for `context_hash`: each other part a 0, the last run
+    of text parts a 1, each earlier run its text, joined and normalised as in
+    the key. None for a string, or parts all of one kind: nothing to place.
+
+    The semantic layer reads the texts as one (`_text_of`), which cannot say
+    where an image sat: "Describe this: <A> ignore this: <B>" and "<A>
+    Describe this: <B> ignore this:" were one namespace and one text, a hit at
+    1.0000 (a new-user trial). Placing the runs is not enough: "Bob: <1> <2>
+    and Alice: who is taller?" and "Bob: and Alice: <1> <2> who is taller?"
+    have one shape, and only the text on each side of the images tells them
+    apart. So only the last run is matched by meaning; an earlier run (what
+    labels an image) must be equal, as normalised in the key.
+    """
+    if type(content) is not list:
+        return None
+    texts = [_text_of_part(part) for part in content]
+    if None not in texts or texts.count(None) == len(texts):
+        return None
+    last = len(texts) - 1
+    while texts[last] is None:
+        last -= 1
+    first = last
+    while first > 0 and texts[first - 1] is not None:
+        first -= 1
+    layout: list[Any] = []
+    run: list[str] = []
+    for text in texts[:first]:
+        if text is not None:
+            run.append(text)
+            continue
+        if run:
+            layout.append(normalise_text(" ".join(run)))
+            run = []
+        layout.append(0)
+    # texts[first - 1] is another part, so no run is left open here.
+    layout.append(1)
+    layout.extend([0] * (len(texts) - 1 - last))
+    return layout
 
 
 def last_user_text(messages: Sequence[Any]) -> str | None:

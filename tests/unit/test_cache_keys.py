@@ -784,6 +784,66 @@ def test_context_hash_covers_non_text_parts_of_the_last_user_message() -> None:
     assert last_user_text(with_image("a", "what\r\n  is it? ")) == "what is it?"
 
 
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _image(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _asked(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": list(parts)}]
+
+
+def test_context_hash_tells_where_texts_sit_among_the_images() -> None:
+    # A new-user trial: each pair was one namespace and one text, a semantic
+    # hit at 1.0000 with the other's answer.
+    a, b = _image("https://x/a.png"), _image("https://x/b.png")
+    describe = _text("Describe the person in this photo:")
+    ignore = _text("Ignore this other photo:")
+    assert context_hash(_asked(describe, a, ignore, b)) != context_hash(
+        _asked(a, describe, b, ignore)
+    )
+    bob, alice, taller = _text("This is Bob:"), _text("and this is Alice:"), _text("Who is taller?")
+    assert context_hash(_asked(bob, a, alice, b, taller)) != context_hash(
+        _asked(bob, a, b, alice, taller)
+    )
+    # Same places, a label moved across the images: only the text on each
+    # side of them tells these apart.
+    assert context_hash(_asked(bob, a, b, _text("and this is Alice: Who is taller?"))) != (
+        context_hash(_asked(_text("This is Bob: and this is Alice:"), a, b, taller))
+    )
+    # The last run of text is matched by meaning, so its words stay out...
+    assert context_hash(_asked(bob, a, alice, b, taller)) == context_hash(
+        _asked(bob, a, alice, b, _text("which   of them is taller"))
+    )
+    assert context_hash(_asked(describe, a)) == context_hash(_asked(_text("Who is this?"), a))
+    # ...but a label of an image is not (normalised as in the key).
+    assert context_hash(_asked(bob, a, alice, b, taller)) != context_hash(
+        _asked(_text("This is Carol:"), a, alice, b, taller)
+    )
+    assert context_hash(_asked(bob, a, alice, b, taller)) == context_hash(
+        _asked(_text(" This  is Bob: "), a, alice, b, taller)
+    )
+    # A text before the image is not one after it.
+    assert context_hash(_asked(describe, a)) != context_hash(_asked(a, describe))
+
+
+def test_context_hash_of_text_alone_is_what_it_was() -> None:
+    # Namespaces of earlier versions live on in the region's Redis: a request
+    # with no image must keep its own (these are the hashes before texts were
+    # placed among images).
+    string = [SYSTEM, {"role": "user", "content": "How do I reset my password?"}]
+    parts = [{"role": "user", "content": [_text("a"), _text("b")]}]
+    assert context_hash(string) == (
+        "22c354bb5d7a5f8ed689144456ad02761ff55e64a89fa64aca858e1f03fcb9f5"
+    )
+    assert context_hash(parts) == (
+        "e97edae948683f6b018f2e2fb0048c69fef853846bc681f70c57419b682f3c46"
+    )
+
+
 def test_last_user_text() -> None:
     assert last_user_text([SYSTEM]) is None
     assert last_user_text([]) is None

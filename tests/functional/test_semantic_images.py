@@ -1,0 +1,73 @@
+"""Images with text on a tenant with semantic caching, through the whole proxy
+(tests/functional/test_pipeline.py's stack, the origin simulator, the test
+embedder): a request whose texts sit elsewhere among its images asks something
+else (a new-user trial: the same words moved around the images were a hit at
+similarity 1.0000, the first one's answer)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dataplane.cache.embed import HashingEmbedder
+from dataplane.cache.semantic import SemanticIndex
+from dataplane.http.state import HOLDER, PIPELINE
+from ponto.originsim.app import SimConfig
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
+from tests.functional.test_pipeline import MODEL, Stack, start_stack, table
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
+    index = SemanticIndex(HashingEmbedder())
+    s.app[PIPELINE].cache.semantic = index
+    semantic = table([("o1", str(s.origins[0].make_url("/v1")))], version=3)
+    semantic.tenants[0].cache.CopyFrom(pb.CachePolicy(mode="semantic", semantic_threshold=0.8))
+    semantic.etag = content_etag(semantic)
+    s.app[HOLDER].apply(semantic, "control-plane")
+    yield s
+    index.close()
+    await s.close()
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"type": "text", "text": t}
+
+
+def image(name: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"https://img.example/{name}.png"}}
+
+
+async def ask(stack: Stack, *parts: dict[str, Any]) -> dict[str, str]:
+    body = {"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": parts}]}
+    resp = await stack.post(body)
+    assert resp.status == 200
+    await resp.read()
+    await stack.app[PIPELINE].cache.background_done()  # indexed after the answer
+    return dict(resp.headers)
+
+
+async def test_texts_moved_among_the_images_reach_the_origin(stack: Stack) -> None:
+    a, b = image("a"), image("b")
+    describe = text("Describe the person in this photo:")
+    ignore = text("Ignore this other photo:")
+    assert (await ask(stack, describe, a, ignore, b))["x-ponto-cache"] == "miss"
+    moved = await ask(stack, a, describe, b, ignore)
+    assert moved["x-ponto-cache"] == "miss" and "x-ponto-cache-similarity" not in moved
+    assert stack.origin_requests() == 2
+
+    bob, alice, taller = text("This is Bob:"), text("and this is Alice:"), text("Who is taller?")
+    await ask(stack, bob, a, alice, b, taller)
+    moved = await ask(stack, bob, a, b, alice, taller)
+    assert moved["x-ponto-cache"] == "miss" and "x-ponto-cache-similarity" not in moved
+    assert stack.origin_requests() == 4
+
+    # The question after the images is still matched by meaning.
+    near = await ask(stack, bob, a, alice, b, text("Who is taller? please"))
+    assert near["x-ponto-cache"] == "hit" and "x-ponto-cache-similarity" in near
+    assert stack.origin_requests() == 4
