@@ -56,6 +56,17 @@ REPLAY_PIECE_CHARS = 16
 _TOOL_PIECES: Final = {"function": "arguments", "custom": "input"}
 _TOOL_WHOLE = frozenset({"index", "id", "type"})
 
+# Object-valued members of a chat delta (but `function_call`, joined by its own
+# rule) that come in pieces, and their text members, which are concatenated as
+# OpenAI's SDK accumulates them (openai-python's lib/streaming/_deltas.py); any
+# other of their members comes once and is taken whole. An audio answer streams
+# {"id", "transcript": "hel"}, {"data", "transcript": "lo"}, ..., {"expires_at"}
+# (a trial: the last piece alone was stored, and served as message.audio). A
+# stream with another object member in more than one delta of a choice, or one
+# of these with a whole member twice or a text member that is not text, is not
+# kept, as a tool call's unknown member in pieces is not.
+_DELTA_PIECES: Final = {"audio": frozenset({"data", "transcript"})}
+
 
 class ResponseKind(enum.StrEnum):
     CHAT = "chat"  # chat.completion / chat.completion.chunk
@@ -264,7 +275,8 @@ class StreamRecorder:
     [DONE], an error event or error object, a chunk that is not a JSON object with
     choices, a choice with no finish_reason, a finish_reason that is not natural
     (`length` is kept only with store_truncated), a tool call whose deltas
-    `to_completion` could not merge faithfully (see `_TOOL_PIECES`), or more
+    `to_completion` could not merge faithfully (see `_TOOL_PIECES`), an
+    object-valued delta member it could not join (see `_DELTA_PIECES`), or more
     than max_bytes recorded (recording stops there, so a huge answer costs no
     memory). `reason` then says why.
     """
@@ -291,6 +303,9 @@ class StreamRecorder:
         # (choice, index) -> the id its call was given: a second id there is
         # a second call at the same index (origins that send no index).
         self._call_ids: dict[tuple[int, int], str] = {}
+        # (choice, member) of the object-valued delta members taken whole
+        # (`_DELTA_PIECES`) that came in a delta already.
+        self._whole_objects: set[tuple[int, str]] = set()
         self._kind: ResponseKind | None = None
         self._model = ""
         self._done = False
@@ -377,6 +392,30 @@ class StreamRecorder:
                     seen.add(member)
         return None
 
+    def _unjoinable(self, choice: int, delta: dict[str, Any]) -> str | None:
+        """Why this delta's object-valued members cannot be joined faithfully
+        with the earlier ones of its choice (see `_DELTA_PIECES`), or None."""
+        for name, value in delta.items():
+            if type(value) is not dict or name == "function_call":
+                continue
+            pieces = _DELTA_PIECES.get(name)
+            if pieces is None:
+                members = [name]
+            else:
+                members = []
+                for member, v in value.items():
+                    if v is None:
+                        continue
+                    if member not in pieces:
+                        members.append(f"{name}.{member}")
+                    elif type(v) is not str:
+                        return f"a delta whose {name}.{member} is not text"
+            for member in members:
+                if (choice, member) in self._whole_objects:
+                    return f"a delta whose {member} comes in pieces"
+                self._whole_objects.add((choice, member))
+        return None
+
     def _fail(self, reason: str) -> None:
         self.reason = reason
         self._chunks.clear()
@@ -437,6 +476,14 @@ class StreamRecorder:
             d = c.get("delta")
             calls = d.get("tool_calls") if type(d) is dict else None
             if calls and (why := self._unmergeable(index, calls)) is not None:
+                self._fail(why)
+                return
+            # dict in map(type, ...) is told in C: most deltas hold strings only.
+            if (
+                type(d) is dict
+                and dict in map(type, d.values())
+                and (why := self._unjoinable(index, d)) is not None
+            ):
                 self._fail(why)
                 return
         if b"\n" in payload:
@@ -643,7 +690,9 @@ def to_completion(entry: CachedResponse) -> bytes:
     index, string deltas concatenated (content, refusal, reasoning, ...), list
     deltas extended, tool calls gathered by index (`_TOOL_PIECES`: a
     function's arguments and a custom tool's input concatenated, the rest
-    taken whole), the last finish_reason, logprobs lists concatenated; usage
+    taken whole), audio's data and transcript concatenated (`_DELTA_PIECES`:
+    its other members, and any other object, taken whole), the last
+    finish_reason, logprobs lists concatenated; usage
     from the usage chunk if any; id, created, model and system_fingerprint
     from the first chunk."""
     if entry.body is not None:
@@ -689,6 +738,7 @@ class _Choice:
         self.lists: dict[str, list[Any]] = {}
         self.others: dict[str, Any] = {}
         self.tools: dict[int, dict[str, Any]] = {}
+        self.joined: dict[str, dict[str, Any]] = {}  # `_DELTA_PIECES`
         self.function_call: dict[str, Any] | None = None
         self.logprobs: dict[str, Any] | None = None
         self.finish: Any = None
@@ -723,8 +773,30 @@ class _Choice:
                 self.strings.setdefault(name, []).append(value)
             elif isinstance(value, list):
                 self.lists.setdefault(name, []).extend(value)
+            elif name in _DELTA_PIECES and isinstance(value, dict):
+                self._add_pieces(name, value)
             else:
+                # The recorder keeps no stream where an object comes twice.
                 self.others[name] = value
+
+    def _add_pieces(self, name: str, value: dict[str, Any]) -> None:
+        """Gather one delta of an object joined by `_DELTA_PIECES`: its text
+        members in pieces (joined once, in `build`: audio's data is large,
+        and concatenated a piece at a time it would be copied per piece),
+        the rest whole."""
+        slot = self.joined.setdefault(name, {})
+        pieces = _DELTA_PIECES[name]
+        for member, v in value.items():
+            if v is None:
+                continue
+            have = slot.get(member)
+            if member in pieces and isinstance(v, str):
+                if isinstance(have, _Pieces):
+                    have.append(v)
+                else:
+                    slot[member] = _Pieces([v])
+            else:
+                slot[member] = v
 
     def _add_tool_call(self, call: Any) -> None:
         """Merge one delta of a tool call by the rules of `_TOOL_PIECES`; the
@@ -772,12 +844,19 @@ class _Choice:
             }
         message: dict[str, Any] = {
             "role": self.role or "assistant",
-            "content": joined.pop("content", None if self.tools or self.function_call else ""),
+            # An audio answer, like a tool call, has no text: content null, as sent.
+            "content": joined.pop(
+                "content", None if self.tools or self.function_call or self.joined else ""
+            ),
             "refusal": joined.pop("refusal", None),
         }
         message.update(joined)
         message.update(self.lists)
         message.update(self.others)
+        for name, slot in self.joined.items():
+            message[name] = {
+                m: "".join(v) if isinstance(v, _Pieces) else v for m, v in slot.items()
+            }
         if self.function_call is not None:
             message["function_call"] = self.function_call
         if self.tools:
@@ -788,6 +867,11 @@ class _Choice:
             "logprobs": self.logprobs,
             "finish_reason": self.finish,
         }
+
+
+class _Pieces(list[str]):
+    """The pieces of a text member of a `_DELTA_PIECES` object, told apart
+    from a whole member's value that happens to be a list."""
 
 
 def _extend_call(call: dict[str, Any], part: dict[str, Any], piece: str = "arguments") -> None:

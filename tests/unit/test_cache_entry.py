@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -23,6 +25,7 @@ from dataplane.cache.entry import (
     split_text,
     to_completion,
     to_sse_chunks,
+    unkept_reason,
 )
 from dataplane.http.errors import stream_broken_event
 
@@ -768,3 +771,103 @@ def test_holds_tool_calls_of_bodies_and_streams() -> None:
     assert not holds_tool_calls(whole(chat_body("ok", tool_calls=[], function_call=None)))
     assert not holds_tool_calls(whole(chat_body('say "tool_calls": [1]')))
     assert not holds_tool_calls(recorded(sse(chat_stream(['"tool_calls"', "x"]))))
+
+
+# ---------------------------------------------------------------------------
+# Object-valued delta members: audio
+
+
+def audio_stream(*audio: dict[str, Any]) -> list[dict[str, Any]]:
+    """An audio answer as OpenAI's audio models stream it: the transcript and
+    the data in pieces, the id first, the expiry last."""
+    return [
+        chunk([delta({"role": "assistant", "content": None, "refusal": None})]),
+        *(chunk([delta({"audio": a})]) for a in audio),
+        chunk([delta({}, finish="stop")]),
+        chunk([], usage=USAGE),
+    ]
+
+
+AUDIO_PIECES = (
+    {"id": "audio_1", "transcript": "hel"},
+    {"data": "UklGRg==", "transcript": "lo there"},
+    {"data": "AAAA", "expires_at": 1729234747},
+)
+AUDIO = {
+    "id": "audio_1",
+    "data": "UklGRg==AAAA",
+    "expires_at": 1729234747,
+    "transcript": "hello there",
+}
+
+
+def sdk_message(payloads: Iterable[bytes]) -> dict[str, Any]:
+    """The message OpenAI's SDK assembles from a stream's chunks."""
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for payload in payloads:
+        state.handle_chunk(ChatCompletionChunk.model_validate_json(payload))
+    message: dict[str, Any] = state.get_final_completion().choices[0].message.model_dump()
+    return message
+
+
+def test_a_streamed_audio_answer_is_joined_as_the_sdk_joins_it() -> None:
+    # A trial (openai 3.x): the non-streamed repeat got the last piece alone,
+    # {"data": "AAAA", "expires_at": ...}: no id, no transcript, half the data.
+    stream = audio_stream(*AUDIO_PIECES)
+    entry = recorded(sse(stream))
+    message = orjson.loads(to_completion(entry))["choices"][0]["message"]
+    assert message["audio"] == AUDIO
+    assert message["content"] is None
+    assert sdk_message(map(orjson.dumps, stream[:-1]))["audio"] == AUDIO
+    completion = ChatCompletion.model_validate(orjson.loads(to_completion(entry)))
+    assert completion.choices[0].message.audio is not None
+    assert completion.choices[0].message.audio.transcript == "hello there"
+
+
+def test_a_whole_audio_answer_replays_as_a_stream_the_sdk_joins_back() -> None:
+    entry = from_completion(orjson.dumps(chat_body(None, audio=AUDIO)), now=NOW)
+    assert entry is not None
+    payloads = payloads_of(to_sse_chunks(entry, include_usage=False))
+    assert sdk_message(payloads)["audio"] == AUDIO
+    # And the stream it makes, kept, answers a whole request with it again.
+    again = recorded(b"".join(to_sse_chunks(entry, include_usage=True)))
+    assert orjson.loads(to_completion(again))["choices"][0]["message"]["audio"] == AUDIO
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        # An object this proxy does not know, in two deltas.
+        [{"widget": {"a": "x"}}, {"widget": {"a": "y"}}],
+        # audio with a member it takes whole, twice.
+        [{"audio": {"id": "audio_1", "data": "AA"}}, {"audio": {"id": "audio_1", "data": "BB"}}],
+        # audio's data as something other than text.
+        [{"audio": {"id": "audio_1", "data": {"chunk": 1}}}],
+    ],
+    ids=["unknown-object", "audio-id-twice", "audio-data-object"],
+)
+def test_a_delta_object_that_cannot_be_joined_faithfully_is_not_kept(
+    members: list[dict[str, Any]],
+) -> None:
+    stream = [
+        chunk([delta({"role": "assistant", "content": ""})]),
+        *(chunk([delta(m)]) for m in members),
+        chunk([delta({}, finish="stop")]),
+    ]
+    recorder = StreamRecorder()
+    recorder.feed(sse(stream))
+    assert recorder.finish(now=NOW) is None
+    assert recorder.reason is not None and recorder.reason.startswith("a delta whose")
+    assert unkept_reason(recorder.reason) == "incomplete"
+
+
+def test_an_object_in_one_delta_is_kept_whole_and_choices_are_apart() -> None:
+    # Nothing to join: the object is the origin's, as sent. The same member
+    # in another choice is that choice's own.
+    stream = [
+        chunk([delta({"role": "assistant", "content": "hi"}, index=i) for i in (0, 1)]),
+        chunk([delta({"widget": {"a": [1]}}, index=i) for i in (0, 1)]),
+        chunk([delta({}, index=i, finish="stop") for i in (0, 1)]),
+    ]
+    body = orjson.loads(to_completion(recorded(sse(stream))))
+    assert [c["message"]["widget"] for c in body["choices"]] == [{"a": [1]}] * 2
