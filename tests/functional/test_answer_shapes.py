@@ -83,7 +83,9 @@ class Rig:
 
 
 async def two_origins(
-    tmp_path: Path, handle: Callable[[web.Request], Awaitable[web.Response]], paths: Iterable[str]
+    tmp_path: Path,
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    paths: Iterable[str],
 ) -> Stack:
     """The real proxy app before two origins, o1 and o2, each answering
     `paths` with `handle` (one handler: the test says what they answer)."""
