@@ -566,19 +566,31 @@ def _path_hint(request: web.Request) -> str:
     """For a 404: the proxy's path the client likely meant, when its path is
     one of them without the /v1 prefix, with it twice, or with a trailing
     slash (trial 51: an SDK's base_url without /v1 got a bare "Not Found");
-    else "". Only 404s pay for it."""
+    else, under /v1/, that the gateway does not serve it and the API paths
+    it does serve (those without a parameter); else "". Only 404s pay for it."""
     path = request.path
     meant = path.rstrip("/")
     if meant.startswith("/v1/v1/"):
         meant = meant[3:]
     elif not meant.startswith("/v1/"):
         meant = "/v1" + meant
-    if meant == path or not any(
-        isinstance(r, PlainResource) and r.canonical == meant
+    served = [
+        r.canonical
         for r in request.app.router.resources()
-    ):
-        return ""
-    return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+        if isinstance(r, PlainResource) and r.canonical.startswith("/v1/")
+    ]
+    if meant != path and meant in served:
+        return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+    if path.startswith("/v1/"):
+        # An OpenAI endpoint the gateway does not proxy (moderations, audio,
+        # images, files, batches...): a bare "Not Found" read as a typo (a
+        # new user's trial). The status stays OpenAI's for an unknown path.
+        return (
+            "; this gateway does not serve that endpoint (it serves "
+            + ", ".join(sorted(set(served)))
+            + ")"
+        )
+    return ""
 
 
 def _client(request: web.BaseRequest, trusted: TrustedProxies) -> str | None:

@@ -116,6 +116,25 @@ async def test_a_404_for_an_endpoint_without_v1_says_which_path_was_meant(
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None  # reached no origin
 
 
+@pytest.mark.parametrize(
+    "path", ["/v1/moderations", "/v1/audio/transcriptions", "/v1/images/generations", "/v1/files"]
+)
+async def test_a_404_for_an_openai_endpoint_not_proxied_names_those_that_are(
+    stack: Stack, path: str
+) -> None:
+    # A bare "Not Found" read as a typo (a new user's trial); OpenAI's status
+    # for an unknown path stays, which clients expect.
+    resp = await stack.client.post(path, headers=AUTH, json={"model": MODEL, "input": "hi"})
+    assert resp.status == 404
+    err = error_of(await resp.json())
+    assert err["code"] == "not_found"
+    assert err["message"] == (
+        f"POST {path}: Not Found; this gateway does not serve that endpoint (it serves"
+        " /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/responses)"
+    )
+    assert stack.origins[0].app[SIM_STATE].stats.last_request is None
+
+
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:
     resp = await stack.post(chat("my id"), headers={"x-request-id": "client-42_A.b"})
     assert resp.status == 200
