@@ -25,6 +25,65 @@ PER_REQUEST = 3  # the primer of the assistant's reply
 # after the call settles the difference.
 IMAGE_LOW = 85
 IMAGE_DEFAULT = 765
+# Audio is charged by its length, at OpenAI's published rate for input audio
+# (one token per 100 ms), the length read from the size of its base64 data at
+# a low bitrate for the format, so as to count a clip long rather than short
+# (a 5 MB part counted as nothing was admitted under a 2,000 TPM limit): a wav
+# as 16 kHz 16-bit mono (32,000 bytes a second; what speech models resample
+# to), an mp3 or any other format as 32 kbit/s (4,000 bytes a second).
+AUDIO_TOKENS_PER_S = 10
+AUDIO_BYTES_PER_S = {"wav": 32_000}
+AUDIO_BYTES_PER_S_OTHER = 4_000
+# A file (a PDF, mostly) is opaque without parsing it: a page of text is a few
+# KB and some hundreds of tokens, a scanned page some 100 KB and about one
+# image's tokens (OpenAI gives the model each page's image too). Its data is
+# charged one image's tokens per 64 KiB, and at least one image (a `file_id` or
+# `file_url`, whose size the proxy does not see): a large scanned file is not
+# refused as past a limit on a guess many times its count, and a text one is
+# charged less up front and settled after the call like any estimate.
+FILE_BYTES_PER_IMAGE = 65_536
+
+
+def _decoded_bytes(data: Any) -> int:
+    """The bytes base64 `data` (or a data URL of it) holds, about."""
+    return len(data) * 3 >> 2 if isinstance(data, str) else 0
+
+
+def audio_tokens(data: Any, fmt: Any) -> int:
+    """An `input_audio` part's charge, from its base64 `data` and `format`."""
+    rate = AUDIO_BYTES_PER_S_OTHER
+    if isinstance(fmt, str):
+        rate = AUDIO_BYTES_PER_S.get(fmt, rate)
+    return -(-_decoded_bytes(data) * AUDIO_TOKENS_PER_S // rate)
+
+
+def file_tokens(data: Any) -> int:
+    """A file part's charge, from its base64 `file_data` (absent: one image)."""
+    return max(IMAGE_DEFAULT, _decoded_bytes(data) * IMAGE_DEFAULT // FILE_BYTES_PER_IMAGE)
+
+
+def _part_tokens(part: dict[str, Any]) -> int:
+    """The tokens charged flat for a part that is not text: an image (chat's
+    `image_url`, as an object with its `detail` or, as vLLM takes it, a plain
+    URL; a Responses `input_image`, whose `detail` is on the part and which
+    may name a `file_id` instead), audio (`input_audio`), or a file (chat's
+    `file`, a Responses `input_file`); 0 for any other."""
+    kind = part.get("type")
+    image = part.get("image_url")
+    if image is not None or kind == "input_image":
+        detail = image.get("detail") if isinstance(image, dict) else part.get("detail")
+        return IMAGE_LOW if detail == "low" else IMAGE_DEFAULT
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if isinstance(audio, dict):
+            return audio_tokens(audio.get("data"), audio.get("format"))
+        return 0
+    if kind == "file":
+        file = part.get("file")
+        return file_tokens(file.get("file_data") if isinstance(file, dict) else None)
+    if kind == "input_file":
+        return file_tokens(part.get("file_data"))
+    return 0
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -46,10 +105,7 @@ def _content_chars(content: Any) -> tuple[int, int]:
                 if isinstance(text, str):
                     chars += len(text)
                     continue
-                image = part.get("image_url")
-                if image is not None:
-                    low = isinstance(image, dict) and image.get("detail") == "low"
-                    flat += IMAGE_LOW if low else IMAGE_DEFAULT
+                flat += _part_tokens(part)
     return chars, flat
 
 

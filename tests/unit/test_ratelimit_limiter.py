@@ -219,8 +219,9 @@ def test_a_request_too_large_is_told_its_prompt_estimate_and_the_limit_not_max_t
     )
     assert error.message == (
         "Request too large for the tokens-per-minute limit: its prompt is estimated at "
-        "760 tokens, and the limit is 600, so no wait can admit it. Shorten the prompt, "
-        "or ask for a higher limit (max_tokens does not count here)."
+        "760 tokens (text at 4 characters a token, an image at 765 or 85 with detail low, "
+        "audio and files by their size), and the limit is 600, so no wait can admit it. "
+        "Shorten the prompt, or ask for a higher limit (max_tokens does not count here)."
     )
     assert "lower max_tokens" not in error.message
 
@@ -528,6 +529,52 @@ def test_a_responses_request_counts_instructions_input_items_and_tools() -> None
     }
     # 3 + 3 items x 4 + one image (765) + 120 characters (30)
     assert estimate_prompt_tokens("responses", body) == 3 + 12 + 765 + 30
+
+
+def _one_part(endpoint: str, part: dict[str, object]) -> int:
+    """What `part` adds to a one-message request's estimate."""
+    if endpoint == "responses":
+        return (
+            estimate_prompt_tokens("responses", {"input": [{"role": "user", "content": [part]}]})
+            - 7
+        )
+    body = {"messages": [{"role": "user", "content": [part]}]}
+    return estimate_prompt_tokens("chat.completions", body) - 7
+
+
+def test_a_responses_input_image_keeps_its_detail_on_the_part_and_may_name_a_file() -> None:
+    # The Responses API puts `detail` on the part, not in an image_url object:
+    # low was charged 765; a part with only a file_id counted nothing.
+    low = {"type": "input_image", "image_url": "https://x/a.png", "detail": "low"}
+    assert _one_part("responses", low) == 85
+    assert _one_part("responses", {"type": "input_image", "file_id": "file-1"}) == 765
+    assert _one_part("responses", {"type": "input_image", "file_id": "f", "detail": "low"}) == 85
+    # vLLM's plain-string image_url in chat counts as the object form does.
+    assert _one_part("chat.completions", {"type": "image_url", "image_url": "https://x"}) == 765
+
+
+def test_audio_is_charged_by_its_length_at_a_low_bitrate() -> None:
+    # 40,000 bytes of base64 hold 30,000 bytes: an mp3 at 32 kbit/s (4,000
+    # bytes a second) of 7.5 s, a wav at 16 kHz 16-bit mono of 0.9375 s; 10
+    # tokens a second, rounded up. A 5 MB part was charged nothing.
+    for endpoint in ("chat.completions", "responses"):
+        mp3 = {"type": "input_audio", "input_audio": {"data": "A" * 40_000, "format": "mp3"}}
+        wav = {"type": "input_audio", "input_audio": {"data": "A" * 40_000, "format": "wav"}}
+        assert _one_part(endpoint, mp3) == 75
+        assert _one_part(endpoint, wav) == 10
+    big = {"type": "input_audio", "input_audio": {"data": "A" * 5_000_000, "format": "mp3"}}
+    assert _one_part("chat.completions", big) == 9375
+    odd = {"type": "input_audio", "input_audio": {"data": "A" * 40_000, "format": ["x"]}}
+    assert _one_part("chat.completions", odd) == 75
+
+
+def test_a_file_is_charged_an_image_per_64_kib_and_at_least_one_image() -> None:
+    data = "data:application/pdf;base64," + "A" * 873_786  # about 640 KiB
+    chat = {"type": "file", "file": {"file_data": data, "filename": "a.pdf"}}
+    assert _one_part("chat.completions", chat) == 7650
+    assert _one_part("responses", {"type": "input_file", "file_data": data}) == 7650
+    assert _one_part("chat.completions", {"type": "file", "file": {"file_id": "file-1"}}) == 765
+    assert _one_part("responses", {"type": "input_file", "file_url": "https://x/a.pdf"}) == 765
 
 
 @pytest.mark.parametrize(
