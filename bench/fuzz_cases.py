@@ -191,7 +191,7 @@ WRONG: dict[str, dict[str, list[object]]] = {
         **_SAMPLING,
         "max_completion_tokens": ["10", -1, 1.5, True],
         "logprobs": ["yes", 1, []],
-        "top_logprobs": [-1, 21, "3", 1.5],
+        "top_logprobs": [-1, (1 << 20) + 1, "3", 1.5],
         "tools": [
             "x",
             [1],
@@ -212,7 +212,7 @@ WRONG: dict[str, dict[str, list[object]]] = {
         "prompt": [{}, True, [1.5], [{"a": 1}], None],
         "echo": ["x", 1],
         "best_of": ["2", 0, -1],
-        "logprobs": ["x", -1, 6],
+        "logprobs": ["x", -1, (1 << 20) + 1],
         "suffix": [5, []],
     },
     EMBEDDINGS: {

@@ -621,6 +621,13 @@ MAX_TOKENS = integer(1, MAX_INT)
 # its logprobs (how a prompt is scored); OpenAI's spec sets no minimum there
 # (trial 51: refused). Chat's and Responses' limits stay at 1 and more.
 COMPLETIONS_MAX_TOKENS = integer(0, MAX_INT)
+# How many logprobs per token (completions' `logprobs`, chat's and Responses'
+# `top_logprobs`) is the origin's to decide: OpenAI takes 5 and 20, vLLM up to
+# its --max-logprobs (20 by default, the vocabulary with -1). The proxy bounds
+# them only past any model's vocabulary (the largest are about 256k tokens);
+# nothing it keeps depends on them (the cache bounds an entry's bytes).
+# (A new user's trial: a completions `logprobs` of 10, which vLLM answers, was refused.)
+LOGPROBS = integer(0, 1 << 20)
 KEY_STRING = string(max_len=MAX_KEY_CHARS)
 SEED = integer(-_INT64, _INT64 - 1)
 STOP = either(
@@ -647,9 +654,17 @@ CHAT_PART = typed(
         "text": TEXT_PART,
         "image_url": obj(
             {
-                "image_url": obj(
-                    {"url": string(non_empty=True), "detail": enum("auto", "low", "high")},
-                    required=("url",),
+                # vLLM takes the URL as a plain string too (its
+                # CustomChatCompletionContentSimpleImageParam): a new user's
+                # trial had it refused. Estimated and keyed as the object form.
+                "image_url": either(
+                    string(non_empty=True),
+                    obj(
+                        {"url": string(non_empty=True), "detail": enum("auto", "low", "high")},
+                        required=("url",),
+                    ),
+                    expected="a string or an object",
+                    container=dict,
                 )
             },
             required=("image_url",),
@@ -1128,7 +1143,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "messages": _messages,
             "max_completion_tokens": MAX_TOKENS,
             "logprobs": boolean,
-            "top_logprobs": integer(0, 20),
+            "top_logprobs": LOGPROBS,
             "tools": CHAT_TOOLS,
             "tool_choice": CHAT_TOOL_CHOICE,
             "parallel_tool_calls": boolean,
@@ -1168,7 +1183,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "max_tokens": COMPLETIONS_MAX_TOKENS,
             "best_of": integer(1, 20),
             "echo": boolean,
-            "logprobs": integer(0, 5),
+            "logprobs": LOGPROBS,
             "suffix": string(),
         },
         (_stream_options_need_stream, _best_of_at_least_n),
@@ -1196,7 +1211,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "instructions": string(),
             "max_output_tokens": MAX_TOKENS,
             "max_tool_calls": integer(1, MAX_INT),
-            "top_logprobs": integer(0, 20),
+            "top_logprobs": LOGPROBS,
             "tools": RESPONSE_TOOLS,
             "tool_choice": RESPONSE_TOOL_CHOICE,
             "parallel_tool_calls": boolean,

@@ -135,6 +135,31 @@ async def test_a_404_for_an_openai_endpoint_not_proxied_names_those_that_are(
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None
 
 
+async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_its_url(
+    stack: Stack,
+) -> None:
+    # vLLM accepts `"image_url": "https://..."` (a new user's trial: refused
+    # invalid_type). It reaches the origin as sent; one image's answer is
+    # never another's.
+    def seeing(url: str) -> dict[str, Any]:
+        part = {"type": "image_url", "image_url": url}
+        return chat(
+            "", messages=[{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]
+        )
+
+    first = await stack.post(seeing("https://img.example/a.png"))
+    assert first.status == 200, await first.text()
+    assert first.headers["x-ponto-cache"] == "miss"
+    sent = last_request(stack)["body"]["messages"][0]["content"][1]
+    assert sent == {"type": "image_url", "image_url": "https://img.example/a.png"}
+    again = await stack.post(seeing("https://img.example/a.png"))
+    assert again.headers["x-ponto-cache"] == "hit"
+    other = await stack.post(seeing("https://img.example/b.png"))
+    assert other.status == 200
+    assert other.headers["x-ponto-cache"] == "miss"
+    assert stack.origin_requests() == 2
+
+
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:
     resp = await stack.post(chat("my id"), headers={"x-request-id": "client-42_A.b"})
     assert resp.status == 200

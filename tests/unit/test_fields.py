@@ -129,6 +129,16 @@ GOOD = [
     ("completions", completion(prompt="")),
     # A prompt scored: echoed with its logprobs, nothing generated (trial 51: refused).
     ("completions", completion(echo=True, max_tokens=0, logprobs=1)),
+    # More logprobs than OpenAI gives are the origin's to take (vLLM's
+    # --max-logprobs); a new user's trial had 10 refused.
+    ("completions", completion(logprobs=10)),
+    ("completions", completion(logprobs=1 << 20)),
+    ("chat.completions", chat(logprobs=True, top_logprobs=50)),
+    ("responses", {"model": "m", "input": "hi", "top_logprobs": 50}),
+    # vLLM's plain-string image URL (a new user's trial: refused invalid_type).
+    ("chat.completions", chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": "https://x/y.png"}]}])),
     ("embeddings", embedding()),
     ("embeddings", embedding(input=["a", "b"], encoding_format="base64", dimensions=256,
                              user="u")),
@@ -210,6 +220,10 @@ BAD = [
      "messages[0].content[0].type", V),  # neither OpenAI's nor vLLM's
     (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].image_url.url", M),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": ""}]}]),
+     "messages[0].content[0].image_url", "empty_string"),
+    (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]),
+     "messages[0].content[0].image_url", T),
     (C, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}]),
      "messages[0].content[0].image_url.detail", V),
@@ -255,7 +269,8 @@ BAD = [
     (C, chat(stop=["a"] * 5), "stop", "array_above_max_length"),
     (C, chat(stop=["a", 1]), "stop[1]", T),
     (C, chat(logprobs=1), "logprobs", T),
-    (C, chat(logprobs=True, top_logprobs=21), "top_logprobs", "integer_above_max_value"),
+    (C, chat(logprobs=True, top_logprobs=(1 << 20) + 1), "top_logprobs",
+     "integer_above_max_value"),
     (C, chat(top_logprobs=2), "top_logprobs", V),
     (C, chat(logprobs=False, top_logprobs=2), "top_logprobs", V),
     # vLLM's prefill continuation (trial 28: these reached the origin)
@@ -333,7 +348,8 @@ BAD = [
     (P, completion(best_of=21), "best_of", "integer_above_max_value"),
     (P, completion(best_of=2, n=3), "best_of", V),
     (P, completion(logprobs=True), "logprobs", T),
-    (P, completion(logprobs=6), "logprobs", "integer_above_max_value"),
+    (P, completion(logprobs=(1 << 20) + 1), "logprobs", "integer_above_max_value"),
+    (P, completion(logprobs=-1), "logprobs", "integer_below_min_value"),
     (P, completion(suffix=1), "suffix", T),
     (P, completion(temperature="hot"), "temperature", T),
     (P, completion(stop=["a"] * 5), "stop", "array_above_max_length"),
@@ -650,7 +666,7 @@ WRONG: dict[str, dict[str, list[Any]]] = {
         "prompt": [5, {}, True, []],
         "echo": ["yes", 1],
         "suffix": [1],
-        "logprobs": [6, "1", True],
+        "logprobs": [(1 << 20) + 1, "1", True],
         "temperature": ["hot", 3],
         "max_tokens": [-1, "1"],
         "seed": [0.5],
