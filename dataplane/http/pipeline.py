@@ -101,6 +101,7 @@ from dataplane.streaming.usage import (
     usage_of,
     with_usage_asked,
     within_floors,
+    without_usage_asked,
 )
 from dataplane.sync.holder import TableHolder
 from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
@@ -216,7 +217,7 @@ class Exchange:
         # The principal is known: the caller's, or the owner of an expired key it
         # presented (refused, but its requests are counted and logged as theirs).
         self.authenticated: bool = False
-        # parse
+        # parse; from `forward` on, the bytes sent to the origin instead
         self.raw: bytes = b""
         self.body: dict[str, Any] = {}
         self.stream: bool = False
@@ -507,6 +508,10 @@ class Pipeline:
     async def parse(self, request: web.Request, ex: Exchange) -> None:
         """Read the body (bounded), parse it once and check what every endpoint needs."""
         ex.raw = await read_body(request, self.max_body_bytes)
+        # aiohttp's cached copy let go (the encoded one, for a gzip body):
+        # the exchange holds the bytes alone, and `forward` swaps them for
+        # those it sends.
+        request._read_bytes = None
         ex.body = parse_json(ex.raw)
         ex.stream = validate(ex.endpoint, ex.body)
         # Chat text is at most one character a byte: a small body is never costly.
@@ -736,10 +741,17 @@ class Pipeline:
                 code="no_healthy_origin",
                 headers={"retry-after": "5"},
             )
+        spliced = ex.usage_added and not ex.rewritten and "stream_options" not in ex.body
         if ex.usage_added:
             body = with_usage_asked(ex.body, None if ex.rewritten else ex.raw)
         else:
             body = jsonio.dumps(ex.body) if ex.rewritten else ex.raw
+        # The bytes sent stand for the client's from here (only their size and
+        # media markers are read after: `usage.ceilings`), so a body the proxy
+        # changed (a stream asked for usage, a tenant's system prompt) is held
+        # once as bytes, not twice: a 7.5 MB base64 image was 3 copies a
+        # stream (the client's bytes, the parsed string, the spliced bytes).
+        ex.raw = body
         headers = forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
         sent = Sent()
         try:
@@ -758,7 +770,11 @@ class Pipeline:
                 tenant=ex.principal.tenant,
                 model=ex.model,
                 max_tokens_added=ex.max_tokens_added,
-                plain_body=(lambda: jsonio.dumps(ex.body) if ex.rewritten else ex.raw)
+                plain_body=(
+                    (lambda: without_usage_asked(body))
+                    if spliced
+                    else lambda: jsonio.dumps(ex.body)
+                )
                 if ex.usage_added
                 else None,
             )

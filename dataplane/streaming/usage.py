@@ -67,6 +67,16 @@ def with_usage_asked(body: dict[str, Any], raw: bytes | None) -> bytes:
     return jsonio.dumps({**body, "stream_options": asked})
 
 
+def without_usage_asked(sent: bytes) -> bytes:
+    """The client's bytes back from `sent`, what `with_usage_asked` made of
+    them by inserting its member (the caller knows it did: a body it was
+    given the raw bytes of, without `stream_options`). For an origin that
+    refuses the member (rare): the caller keeps `sent` alone, not both."""
+    at = sent.find(b"{") + 1
+    assert sent.startswith(_ASK_USAGE, at)
+    return sent[:at] + sent[at + len(_ASK_USAGE) :]
+
+
 def for_unasked(data: bytes) -> bytes | None:
     """What a client that did not ask for usage is shown of an event's `data`
     from an origin that was asked for it on its behalf (`with_usage_asked`):

@@ -29,7 +29,8 @@ from dataplane.http.errors import (
     UPSTREAM_STREAM_BROKEN,
     UPSTREAM_UNAVAILABLE,
 )
-from dataplane.http.state import HOLDER, METRICS
+from dataplane.http.pipeline import Exchange
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.upstream.forwarder import MAX_FORWARDED_VALUE
 from ponto.devenv import free_port
 from ponto.originsim.app import SIM_STATE, SimConfig
@@ -158,6 +159,28 @@ async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_i
     assert other.status == 200
     assert other.headers["x-ponto-cache"] == "miss"
     assert stack.origin_requests() == 2
+
+
+async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(stack: Stack) -> None:
+    # The client's bytes are let go once the proxy has made the origin's
+    # (here, with the usage member inserted): a new user's trial measured 3
+    # copies of a 7.5 MB image body a stream (its bytes, the parsed string,
+    # the spliced bytes), 2 for a whole answer. docs/architecture.md, "Memory".
+    pipeline = stack.app[PIPELINE]
+    forward = pipeline.forward
+    seen: list[Exchange] = []
+
+    async def spy(ex: Exchange, hedge: Any = None) -> Any:
+        seen.append(ex)
+        return await forward(ex, hedge)
+
+    pipeline.forward = spy  # type: ignore[method-assign]
+    raw = json.dumps(chat("a long picture", stream=True)).encode()
+    resp = await stack.post_raw(raw)
+    assert resp.status == 200
+    await resp.read()
+    [ex] = seen
+    assert ex.raw == raw[:1] + b'"stream_options":{"include_usage":true},' + raw[1:]
 
 
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:

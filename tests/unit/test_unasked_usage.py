@@ -12,7 +12,12 @@ import pytest
 
 from dataplane.streaming.relay import relay
 from dataplane.streaming.sse import SseParser
-from dataplane.streaming.usage import UsageCounter, for_unasked, with_usage_asked
+from dataplane.streaming.usage import (
+    UsageCounter,
+    for_unasked,
+    with_usage_asked,
+    without_usage_asked,
+)
 from tests.unit.test_stream_relay import Content
 
 
@@ -21,6 +26,13 @@ def test_a_body_without_stream_options_gets_them_after_its_brace() -> None:
     sent = with_usage_asked(json.loads(raw), raw)
     assert sent == b' {"stream_options":{"include_usage":true},"model": "m", "stream": true}'
     assert json.loads(sent)["stream_options"] == {"include_usage": True}
+
+
+def test_the_clients_bytes_come_back_from_the_spliced_ones() -> None:
+    # For an origin that refuses stream_options: the proxy keeps only the
+    # spliced bytes of a large body, and makes the client's again from them.
+    raw = b' {"model": "m", "stream": true, "messages": [{"content": "{x}"}]}'
+    assert without_usage_asked(with_usage_asked(json.loads(raw), raw)) == raw
 
 
 @pytest.mark.parametrize(
