@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -531,7 +533,7 @@ def test_a_responses_request_counts_instructions_input_items_and_tools() -> None
     assert estimate_prompt_tokens("responses", body) == 3 + 12 + 765 + 30
 
 
-def _one_part(endpoint: str, part: dict[str, object]) -> int:
+def _one_part(endpoint: str, part: Mapping[str, Any]) -> int:
     """What `part` adds to a one-message request's estimate."""
     if endpoint == "responses":
         return (
