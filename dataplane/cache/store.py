@@ -232,25 +232,41 @@ class ExactStore:
             self._rejected += 1
             return False
         now = self._clock()
-        expired = self._sweep(now)
-        if key in self._entries:
+        heap = self._expiry
+        entries = self._entries
+        # The calls only when there is something to drop (the usual put has
+        # neither an entry expired nor one to evict): a call and its empty
+        # list cost more than the checks (bench/instructions.py's features).
+        expired = self._sweep(now) if heap and heap[0][0] <= now else None
+        if key in entries:
             self._remove(key)
         # A float made here (whatever the clock's type): _drop_stale_expiry
         # tells a live pair by this very object.
         expires_at = float(now) + ttl_s
-        slot = _Slot(entry=entry, tenant=tenant, model=model, expires_at=expires_at, cost=cost)
-        self._entries[key] = slot
-        self._by_tenant.setdefault(tenant, set()).add(key)
-        self._by_model.setdefault(model, set()).add(key)
+        entries[key] = _Slot(entry, tenant, model, expires_at, cost)
+        # One set per tenant and model, made at its first entry only.
+        keys = self._by_tenant.get(tenant)
+        if keys is None:
+            keys = self._by_tenant[tenant] = set()
+        keys.add(key)
+        keys = self._by_model.get(model)
+        if keys is None:
+            keys = self._by_model[model] = set()
+        keys.add(key)
         self._bytes += cost
-        heapq.heappush(self._expiry, (slot.expires_at, key))
+        heapq.heappush(heap, (expires_at, key))
         reserved = self.reserved()  # nothing between here and the check changes it
-        evicted = self._shrink(keep=key, reserved=reserved)
+        evicted = (
+            self._shrink(keep=key, reserved=reserved)
+            if self._bytes + reserved > self._max_bytes
+            else None
+        )
         fits = self._bytes + reserved <= self._max_bytes
         if not fits:  # only the new entry is left, and it does not fit beside the rest
             self._remove(key)
             self._rejected += 1
-        if len(self._expiry) > len(self._entries) + len(self._entries) // 4 + STALE_EXPIRY_SLACK:
+        live = len(entries)
+        if len(heap) > live + live // 4 + STALE_EXPIRY_SLACK:
             self._drop_stale_expiry()
         if expired:
             self._notify(expired, EvictReason.EXPIRED)
