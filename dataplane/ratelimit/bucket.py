@@ -62,20 +62,39 @@ class TokenBucket:
         cap = self.capacity
         if cap <= 0:
             return False
-        # Refilled to `now` already (a request's headers read the buckets its
-        # admission has just refilled): no call.
-        level = self.level if now <= self.stamp else self.refill(now)
+        # refill's steps, written out: on the hot path (every limited scope of
+        # every request) the call cost more than they do.
+        level = self.level
+        elapsed = now - self.stamp
+        if elapsed > 0:
+            self.stamp = now
+            level += elapsed * self.rate
+            self.level = level = level if level < cap else cap
         return level >= amount or level >= cap
 
     def take(self, amount: float, now: float) -> None:
         """Take unconditionally; the level may go negative."""
-        self.refill(now)
-        self.level -= amount
+        # refill's steps, written out (every answer's settling: Admission.release).
+        level = self.level
+        elapsed = now - self.stamp
+        if elapsed > 0:
+            self.stamp = now
+            level += elapsed * self.rate
+            cap = self.capacity
+            level = level if level < cap else cap
+        self.level = level - amount
 
     def give(self, amount: float, now: float) -> None:
         """Return tokens (a charge that turned out too high), never above capacity."""
-        level = self.refill(now) + amount
+        # refill's steps, written out (as take's).
+        level = self.level
         cap = self.capacity
+        elapsed = now - self.stamp
+        if elapsed > 0:
+            self.stamp = now
+            level += elapsed * self.rate
+            level = level if level < cap else cap
+        level += amount
         self.level = level if level < cap else cap
 
     def wait_s(self, amount: float, now: float) -> float:

@@ -978,7 +978,8 @@ class RateLimiter:
         for i, st in enumerate(found):
             busy = st.in_flight + 1
             st.in_flight = busy
-            st.peak = max(st.peak, busy)
+            if busy > st.peak:  # noqa: PLR1730 - max() is a call, on the hot path
+                st.peak = busy
             req = st.req
             if req is not None:
                 req.level -= 1.0  # admits() has just refilled to `now`
@@ -1065,17 +1066,22 @@ class RateLimiter:
         that refused shows the scope that refused it: remaining 0 and the
         reset when the refusal's wait ends, as `Retry-After` says; an
         estimate of the global remaining would tell the client to come back
-        at once.
+        at once. `refusal` may also be the admission `admit` has just given
+        these scopes (no configure since): the headers are the same.
         """
-        get = self._scopes.get
+        found: Sequence[_Scope]
+        if refusal is not None and refusal.ok:
+            # Its scopes are those of `scopes` that have limits, in their
+            # order (none: UNLIMITED's): found again without a lookup each.
+            found = refusal._scopes
+        else:
+            get = self._scopes.get
+            found = [st for name in scopes if (st := get(name)) is not None]
         req: TokenBucket | None = None
         tok: TokenBucket | None = None
         req_st = tok_st = None
         req_left = tok_left = INF
-        for name in scopes:
-            st = get(name)
-            if st is None:
-                continue
+        for st in found:
             f = st.fraction
             b = st.req
             # The admission just before refilled them to `now`: no call then.
@@ -1091,39 +1097,47 @@ class RateLimiter:
         # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
         # (refilled to `now` above) is full; with no share yet (rate 0) the
         # share comes with the next rebalance.
-        out: list[tuple[str, str]] = []
+        out: list[tuple[str, str]]
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
             shown = "0" if req_left <= 0 else str(limit if req_left >= limit else int(req_left))
-            reset = _reset(req, limit, now, self._unknown_retry_s)
-            out.append(req_st.req_limit)
-            out.append((_REMAINING_REQ, shown))
-            out.append((_RESET_REQ, format_duration(reset)))
+            reset = _reset(req, limit, self._unknown_retry_s)
+            out = [
+                req_st.req_limit,
+                (_REMAINING_REQ, shown),
+                (_RESET_REQ, format_duration(reset)),
+            ]
+        else:
+            out = []
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
             shown = "0" if tok_left <= 0 else str(limit if tok_left >= limit else int(tok_left))
-            reset = _reset(tok, limit, now, self._unknown_retry_s)
-            out.append(tok_st.tok_limit)
-            out.append((_REMAINING_TOK, shown))
-            out.append((_RESET_TOK, format_duration(reset)))
+            reset = _reset(tok, limit, self._unknown_retry_s)
+            out += (tok_st.tok_limit, (_REMAINING_TOK, shown), (_RESET_TOK, format_duration(reset)))
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
 
 
-def _reset(bucket: TokenBucket, limit: int, now: float, unknown: float) -> float:
-    """Seconds until `bucket` is full: at its own rate (a minute at most from
-    empty), but for a bucket in debt no longer than one bucket of the whole
-    limit would take from that debt, a minute and the debt at the limit's
-    rate: the fleet gives the share to where it is owed ("Debt",
-    docs/rate-limits.md), and a 2 % share in debt from one request said 25m1s
-    of a 2-RPM limit (trial 47). `unknown` with no share yet."""
-    if bucket.rate <= 0:
+def _reset(bucket: TokenBucket, limit: int, unknown: float) -> float:
+    """Seconds until `bucket` (refilled to the headers' time) is full: at its
+    own rate (a minute at most from empty), but for a bucket in debt no
+    longer than one bucket of the whole limit would take from that debt, a
+    minute and the debt at the limit's rate: the fleet gives the share to
+    where it is owed ("Debt", docs/rate-limits.md), and a 2 % share in debt
+    from one request said 25m1s of a 2-RPM limit (trial 47). `unknown` with
+    no share yet."""
+    rate = bucket.rate
+    if rate <= 0:
         return unknown
-    local = bucket.reset_s(now)
-    if bucket.level >= 0:
+    # bucket.reset_s(now)'s steps, written out: `headers` has just refilled
+    # the bucket to `now` (or `now` is behind it), so its level stands.
+    level = bucket.level
+    missing = bucket.capacity - level
+    local = missing / rate if missing > 0 else 0.0
+    if level >= 0:
         return local
-    fleet = 60.0 * (1.0 - bucket.level / limit)
+    fleet = 60.0 * (1.0 - level / limit)
     return local if local < fleet else fleet
 
 
