@@ -108,16 +108,16 @@ class CachedResponse:
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if (self.body is None) == (self.chunks is None):
+        body, chunks = self.body, self.chunks
+        if (body is None) == (chunks is None):
             raise ValueError("exactly one of body and chunks must be set")
-        if self.usage_missing and self.chunks is None:
+        if chunks is not None:
+            self.size = ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in chunks)
+        elif self.usage_missing:
             raise ValueError("only a stored stream can be recorded without usage")
-        if self.chunks is not None:
-            size = ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in self.chunks)
         else:
-            assert self.body is not None
-            size = ENTRY_OVERHEAD + len(self.body)
-        self.size = size
+            assert body is not None
+            self.size = ENTRY_OVERHEAD + len(body)
 
     @property
     def streamed(self) -> bool:
@@ -235,10 +235,8 @@ def judge_completion(
         if refusal is not None:
             return None, refusal
     model = obj.get("model")
-    entry = CachedResponse(
-        kind=kind, created_at=now, model=model if isinstance(model, str) else "", body=body
-    )
-    return entry, None
+    # Positional (kind, created_at, model, body): keywords cost the call more.
+    return CachedResponse(kind, now, model if isinstance(model, str) else "", body), None
 
 
 def _body_kind(obj: dict[str, Any]) -> ResponseKind | None:
