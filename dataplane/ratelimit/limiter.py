@@ -103,7 +103,7 @@ def format_duration(seconds: float) -> str:
     Resolution 1 ms below a second, 10 ms below a minute, 1 s above:
     0.02 -> "20ms", 1 -> "1s", 1.234 -> "1.24s", 360 -> "6m0s", 3725 -> "1h2m5s".
     """
-    if seconds <= 0:
+    if seconds <= 0.0:
         return "0s"
     if seconds < 1.0:
         ms = math.ceil(seconds * 1000.0)
@@ -410,7 +410,10 @@ class Admission:
         self._open = False
         delta = 0 if actual_tokens is None else actual_tokens - self.est_tokens
         reserved = self._reserved
-        for i, st in enumerate(self._scopes):
+        # Counted by hand: enumerate() costs more than the loop's other steps.
+        i = -1
+        for st in self._scopes:
+            i += 1
             st.in_flight -= 1
             if reserved is not None and st.budgeted:
                 # The budgets were charged the estimate and the completion
@@ -975,7 +978,9 @@ class RateLimiter:
             )
 
         reserved: list[float] | None = None
-        for i, st in enumerate(found):
+        i = -1  # counted by hand, as in Admission.release
+        for st in found:
+            i += 1
             busy = st.in_flight + 1
             st.in_flight = busy
             if busy > st.peak:  # noqa: PLR1730 - max() is a call, on the hot path
@@ -1086,12 +1091,12 @@ class RateLimiter:
             b = st.req
             # The admission just before refilled them to `now`: no call then.
             if b is not None:
-                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0 else 0.0
+                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0.0 else 0.0
                 if left < req_left:
                     req_left, req, req_st = left, b, st
             b = st.tok
             if b is not None:
-                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0 else 0.0
+                left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0.0 else 0.0
                 if left < tok_left:
                     tok_left, tok, tok_st = left, b, st
         # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
@@ -1100,7 +1105,7 @@ class RateLimiter:
         out: list[tuple[str, str]]
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
-            shown = "0" if req_left <= 0 else str(limit if req_left >= limit else int(req_left))
+            shown = "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
             reset = _reset(req, limit, self._unknown_retry_s)
             out = [
                 req_st.req_limit,
@@ -1111,7 +1116,7 @@ class RateLimiter:
             out = []
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
-            shown = "0" if tok_left <= 0 else str(limit if tok_left >= limit else int(tok_left))
+            shown = "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
             reset = _reset(tok, limit, self._unknown_retry_s)
             out += (tok_st.tok_limit, (_REMAINING_TOK, shown), (_RESET_TOK, format_duration(reset)))
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
@@ -1128,14 +1133,14 @@ def _reset(bucket: TokenBucket, limit: int, unknown: float) -> float:
     from one request said 25m1s of a 2-RPM limit (trial 47). `unknown` with
     no share yet."""
     rate = bucket.rate
-    if rate <= 0:
+    if rate <= 0.0:
         return unknown
     # bucket.reset_s(now)'s steps, written out: `headers` has just refilled
     # the bucket to `now` (or `now` is behind it), so its level stands.
     level = bucket.level
     missing = bucket.capacity - level
-    local = missing / rate if missing > 0 else 0.0
-    if level >= 0:
+    local = missing / rate if missing > 0.0 else 0.0
+    if level >= 0.0:
         return local
     fleet = 60.0 * (1.0 - level / limit)
     return local if local < fleet else fleet
