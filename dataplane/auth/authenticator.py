@@ -30,10 +30,11 @@ still costs one compare (against a dummy digest), so timing does not tell a
 caller whether a guessed id exists. (Ids are public anyway; it is the secret
 that must not leak through timing.) A key that passed is remembered, by the
 key itself, in a bounded map of this table's verified keys
-(`VERIFIED_KEYS`), so a client's next request costs one dict lookup instead
-of a parse, a hash and a compare. Only verified keys enter it, so a lookup
-that misses takes the constant-time path above, and a hit tells the caller
-nothing that the 200 does not. It holds secrets the table itself holds only
+(`VERIFIED_KEYS`), and by the header that presented it, so a client's next
+request costs one dict lookup instead of a parse, a hash and a compare.
+Only verified keys enter them, so a lookup that misses takes the
+constant-time path above, and a hit tells the caller nothing that the 200
+does not. It holds secrets the table itself holds only
 hashed: it lives and dies with this Authenticator (one route table), so a
 revoked key is forgotten with the table that revoked it.
 
@@ -328,6 +329,14 @@ def _read_bytes(path: str) -> bytes:
 _KeyEntry = tuple[bytes, Principal | None]
 
 
+def _remember(verified: dict[str, Principal], key: str, principal: Principal) -> None:
+    """Keep `principal` under `key` in a map of VERIFIED_KEYS entries at
+    most: past it, the map starts over."""
+    if len(verified) >= VERIFIED_KEYS:
+        verified.clear()
+    verified[key] = principal
+
+
 class Authenticator:
     """API-key and JWT authentication for one route table. Build with `build`."""
 
@@ -336,6 +345,7 @@ class Authenticator:
         "_cache_size",
         "_dummy",
         "_expiry",
+        "_headers",
         "_is_open",
         "_key_sets",
         "_keys",
@@ -385,6 +395,9 @@ class Authenticator:
         self._cache: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
         self._cache_size = jwt_cache_size
         self._verified: dict[str, Principal] = {}
+        # The same keys by the whole header that presented them (one or two
+        # spellings a key: `Bearer`, `bearer`), found before any parsing.
+        self._headers: dict[str, Principal] = {}
 
     @classmethod
     def build(
@@ -505,31 +518,37 @@ class Authenticator:
             return OPEN_PRINCIPAL
         if not authorization_header:
             raise _missing()
-        scheme, sep, token = authorization_header.partition(" ")
-        if token[:1] == " ":
-            token = token.lstrip(" ")
-        if not sep or len(scheme) != 6 or scheme.lower() != "bearer" or not token or " " in token:
-            raise _malformed_header()
-        known = self._verified.get(token)
-        if known is not None:
-            if self._expiry:
-                self._check_expiry(known, now)
-            return known
-        # The token's characters are checked by the path it takes (the key's
-        # alphabet; the JWT grammar before verification), not here: a
-        # per-character scan of a 1 kB JWT would cost more than the cache hit.
-        if token.startswith(KEY_PREFIX):
-            principal = self._api_key(token)
-            verified = self._verified
-            if len(verified) >= VERIFIED_KEYS:
-                verified.clear()
-            verified[token] = principal
-            if self._expiry:
-                self._check_expiry(principal, now)
-            return principal
-        if self._verifiers or self._unavailable:
-            return self._jwt(token, now)
-        raise _bad_key()
+        # The usual request: a header that presented a verified key before,
+        # found without being parsed again.
+        known = self._headers.get(authorization_header)
+        if known is None:
+            scheme, sep, token = authorization_header.partition(" ")
+            if token[:1] == " ":
+                token = token.lstrip(" ")
+            if (
+                not sep
+                or len(scheme) != 6
+                or scheme.lower() != "bearer"
+                or not token
+                or " " in token
+            ):
+                raise _malformed_header()
+            known = self._verified.get(token)
+            if known is None:
+                # The token's characters are checked by the path it takes (the
+                # key's alphabet; the JWT grammar before verification), not
+                # here: a per-character scan of a 1 kB JWT would cost more than
+                # the cache hit.
+                if not token.startswith(KEY_PREFIX):
+                    if self._verifiers or self._unavailable:
+                        return self._jwt(token, now)
+                    raise _bad_key()
+                known = self._api_key(token)
+                _remember(self._verified, token, known)
+            _remember(self._headers, authorization_header, known)
+        if self._expiry:
+            self._check_expiry(known, now)
+        return known
 
     def _check_expiry(self, principal: Principal, now: float) -> None:
         expires_at = self._expiry.get(principal.key_id)
