@@ -140,6 +140,11 @@ def _format_ms(ms: int) -> str:
     return text
 
 
+# A bucket's remaining and reset headers (the last two), after what they are
+# made of: its level, capacity and rate, its scope's fraction and the limit
+# (RateLimiter.headers). The unknown wait is the limiter's, fixed.
+_Shown = tuple[float, float, float, float, int, tuple[str, str], tuple[str, str]]
+
 # The weight of each answer in a scope's expected completion (_Scope.completion).
 COMPLETION_WEIGHT = 0.2
 # The completion a budgeted scope expects before this process has seen one of
@@ -192,11 +197,13 @@ class _Scope:
         "peak",
         "req",
         "req_limit",
+        "req_shown",
         "rps",
         "slots",
         "spare",
         "tok",
         "tok_limit",
+        "tok_shown",
         "tps",
         "turned_away",
         "waiting",
@@ -257,6 +264,10 @@ class _Scope:
         # Header pairs that only change with the limits, built once.
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
         self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
+        # The remaining and reset headers `headers` last made of each bucket,
+        # with what they were made of (_Shown).
+        self.req_shown: _Shown | None = None
+        self.tok_shown: _Shown | None = None
         # The smallest of the scope's token limits, and which: a prompt past
         # it can never be admitted (a day's budget is never refilled past it).
         whole: list[tuple[int, Limit]] = []
@@ -1103,22 +1114,61 @@ class RateLimiter:
         # (refilled to `now` above) is full; with no share yet (rate 0) the
         # share comes with the next rebalance.
         out: list[tuple[str, str]]
+        # Both are made again only when what they are made of changed: a
+        # bucket far from its limit is full again at each request and shows
+        # the same two (some 4,000 instructions a dimension then); the level
+        # is compared first, as the one that changes.
+        unknown = self._unknown_retry_s
         if req is not None and req_st is not None:
             limit = req_st.limits.rpm
-            shown = "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
-            reset = _reset(req, limit, self._unknown_retry_s)
-            out = [
-                req_st.req_limit,
-                (_REMAINING_REQ, shown),
-                (_RESET_REQ, format_duration(reset)),
-            ]
+            m = req_st.req_shown
+            if not (
+                m is not None
+                and m[0] == req.level
+                and m[1] == req.capacity
+                and m[2] == req.rate
+                and m[3] == req_st.fraction
+                and m[4] == limit
+            ):
+                shown = (
+                    "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
+                )
+                m = req_st.req_shown = (
+                    req.level,
+                    req.capacity,
+                    req.rate,
+                    req_st.fraction,
+                    limit,
+                    (_REMAINING_REQ, shown),
+                    (_RESET_REQ, format_duration(_reset(req, limit, unknown))),
+                )
+            out = [req_st.req_limit, m[5], m[6]]
         else:
             out = []
         if tok is not None and tok_st is not None:
             limit = tok_st.limits.tpm
-            shown = "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
-            reset = _reset(tok, limit, self._unknown_retry_s)
-            out += (tok_st.tok_limit, (_REMAINING_TOK, shown), (_RESET_TOK, format_duration(reset)))
+            m = tok_st.tok_shown
+            if not (
+                m is not None
+                and m[0] == tok.level
+                and m[1] == tok.capacity
+                and m[2] == tok.rate
+                and m[3] == tok_st.fraction
+                and m[4] == limit
+            ):
+                shown = (
+                    "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
+                )
+                m = tok_st.tok_shown = (
+                    tok.level,
+                    tok.capacity,
+                    tok.rate,
+                    tok_st.fraction,
+                    limit,
+                    (_REMAINING_TOK, shown),
+                    (_RESET_TOK, format_duration(_reset(tok, limit, unknown))),
+                )
+            out += (tok_st.tok_limit, m[5], m[6])
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
