@@ -591,6 +591,21 @@ def write_report(directory: Path) -> Path:
         "auth, limits and the exact cache from 802,876 to 782,932 (1.374 to 1.340), in one run "
         "of both revisions side by side.",
         "",
+        "What the features add over the defaults (key auth, limits, storing each answer) went "
+        "the same way: on Python 3.11 a compare of a float with an int literal (`level > 0`) "
+        "takes the generic path, some 400 instructions more than `level > 0.0`, and "
+        "`enumerate()` some 450 a loop, so the rate limiter's hot path compares floats with "
+        "floats and counts by hand; a bucket refills inline; an admitted request's "
+        "`x-ratelimit-*` headers come from its admission's scopes, and each scope keeps the "
+        "remaining and reset it last showed with what they were made of (a limit far from "
+        "binding shows the same two at every request): two limited scopes took 51,600 "
+        "instructions a request, 31,900 now. A verified API key is found by its whole "
+        "`Authorization` header (4,300 to 1,200); the exact store sweeps, shrinks and makes a "
+        "tenant's key set only when there is something to do (22,900 to 17,100 a put), and an "
+        "entry is made positionally. With these, Ponto with key auth, limits and the exact "
+        "cache went from 783,094 to 763,250 instructions a request (1.339 to 1.305 times the "
+        "pass-through's 584,886), in two runs minutes apart.",
+        "",
     ]
     for name, data in results.items():
         if name == "geo":
