@@ -302,8 +302,8 @@ class StreamRecorder:
         # a second call at the same index (origins that send no index).
         self._call_ids: dict[tuple[int, int], str] = {}
         # (choice, member) of the object-valued delta members taken whole
-        # (`_DELTA_PIECES`) that came in a delta already.
-        self._whole_objects: set[tuple[int, str]] = set()
+        # (`_DELTA_PIECES`) that came in a delta already, with their value.
+        self._whole_objects: dict[tuple[int, str], Any] = {}
         self._kind: ResponseKind | None = None
         self._model = ""
         self._done = False
@@ -409,9 +409,13 @@ class StreamRecorder:
                     elif type(v) is not str:
                         return f"a delta whose {name}.{member} is not text"
             for member in members:
-                if (choice, member) in self._whole_objects:
+                got = value if pieces is None else value[member.partition(".")[2]]
+                had = self._whole_objects.setdefault((choice, member), got)
+                # The same value again is no piece: OpenAI's audio models
+                # send audio.id with the first transcript piece and again
+                # with the first data piece (review 307).
+                if had is not got and had != got:
                     return f"a delta whose {member} comes in pieces"
-                self._whole_objects.add((choice, member))
         return None
 
     def _fail(self, reason: str) -> None:
@@ -476,9 +480,11 @@ class StreamRecorder:
             if calls and (why := self._unmergeable(index, calls)) is not None:
                 self._fail(why)
                 return
-            # dict in map(type, ...) is told in C: most deltas hold strings only.
+            # Most deltas are {"content": text}: told by two C calls, and
+            # dict in map(type, ...) is told in C for the rest.
             if (
                 type(d) is dict
+                and (len(d) > 1 or "content" not in d)
                 and dict in map(type, d.values())
                 and (why := self._unjoinable(index, d)) is not None
             ):

@@ -824,6 +824,21 @@ def test_a_streamed_audio_answer_is_joined_as_the_sdk_joins_it() -> None:
     assert completion.choices[0].message.audio.transcript == "hello there"
 
 
+def test_openai_audio_streams_id_twice_and_is_kept_with_it_once() -> None:
+    # A captured gpt-4o-audio-preview stream (review 307): the id comes with
+    # the first transcript piece and again with the first data piece. The
+    # same value again is no piece: kept, and the id is not doubled (the SDK
+    # itself joins it into "audio_1audio_1").
+    stream = audio_stream(
+        {"id": "audio_1", "transcript": "hel"},
+        {"id": "audio_1", "data": "UklGRg=="},
+        {"transcript": "lo there"},
+        {"data": "AAAA", "expires_at": 1729234747},
+    )
+    message = orjson.loads(to_completion(recorded(sse(stream))))["choices"][0]["message"]
+    assert message["audio"] == AUDIO
+
+
 def test_a_whole_audio_answer_replays_as_a_stream_the_sdk_joins_back() -> None:
     entry = from_completion(orjson.dumps(chat_body(None, audio=AUDIO)), now=NOW)
     assert entry is not None
@@ -839,8 +854,8 @@ def test_a_whole_audio_answer_replays_as_a_stream_the_sdk_joins_back() -> None:
     [
         # An object this proxy does not know, in two deltas.
         [{"widget": {"a": "x"}}, {"widget": {"a": "y"}}],
-        # audio with a member it takes whole, twice.
-        [{"audio": {"id": "audio_1", "data": "AA"}}, {"audio": {"id": "audio_1", "data": "BB"}}],
+        # audio with a member it takes whole, twice and not the same.
+        [{"audio": {"id": "audio_1", "data": "AA"}}, {"audio": {"id": "audio_2", "data": "BB"}}],
         # audio's data as something other than text.
         [{"audio": {"id": "audio_1", "data": {"chunk": 1}}}],
     ],
