@@ -395,7 +395,8 @@ def _layout(content: Any) -> list[Any] | None:
     """Where the texts of a message's parts sit among its other parts (its
     images, its audio), for `context_hash`: each other part a 0, the last run
     of text parts a 1, each earlier run its text, joined and normalised as in
-    the key. None for a string, or parts all of one kind: nothing to place.
+    the key. None for a string, parts all of one kind, or one run of text
+    before or after the other parts: nothing to place.
 
     The semantic layer reads the texts as one (`_text_of`), which cannot say
     where an image sat: "Describe this: <A> ignore this: <B>" and "<A>
@@ -417,6 +418,12 @@ def _layout(content: Any) -> list[Any] | None:
     first = last
     while first > 0 and texts[first - 1] is not None:
         first -= 1
+    if texts[:first].count(None) == first:
+        # One run of text, before or after the images: nothing it could
+        # mean elsewhere ("Describe this: <A>" is "<A> Describe this:"), and
+        # the namespace stays the one it had before texts were placed
+        # (review 307: the commonest shapes' entries were orphaned).
+        return None
     layout: list[Any] = []
     run: list[str] = []
     for text in texts[:first]:

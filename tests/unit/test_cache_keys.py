@@ -826,8 +826,16 @@ def test_context_hash_tells_where_texts_sit_among_the_images() -> None:
     assert context_hash(_asked(bob, a, alice, b, taller)) == context_hash(
         _asked(_text(" This  is Bob: "), a, alice, b, taller)
     )
-    # A text before the image is not one after it.
-    assert context_hash(_asked(describe, a)) != context_hash(_asked(a, describe))
+    # One run of text before the images means what it means after them, and
+    # keeps the namespace it had before texts were placed (review 307; the
+    # hash of eed4df7).
+    assert context_hash(_asked(describe, a)) == context_hash(_asked(a, describe))
+    assert context_hash(_asked(describe, a, b)) == context_hash(
+        _asked(a, b, _text("Describe the person in this photo:"))
+    )
+    assert context_hash(_asked(describe, a)) == (
+        "a673980caee0f65a12de6774447e46ad0445b002de7071c42be07ecb3181792f"
+    )
 
 
 def test_context_hash_of_text_alone_is_what_it_was() -> None:
