@@ -46,6 +46,7 @@ the status it would have had (408, 503).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import resource
 from collections.abc import Awaitable, Callable
@@ -84,6 +85,7 @@ __all__ = [
     "EdgeLimits",
     "EdgeRunner",
     "default_max_connections",
+    "descriptors_short",
     "raise_nofile_limit",
 ]
 
@@ -103,6 +105,8 @@ MAX_HEAD: Final = 32 * 1024
 # their head deadline) must not overflow it: a dropped SYN costs a normal
 # client a 1 s retransmission.
 LISTEN_BACKLOG: Final = 4096
+
+log = logging.getLogger(__name__)
 
 # Descriptors kept for the rest of the process (origin pools beyond the
 # clients' half, the control-plane link, the GeoIP database, logs).
@@ -141,6 +145,28 @@ def default_max_connections(nofile: int) -> int:
     """The client connection cap for a descriptor limit: half of what is left
     after RESERVED_FDS, since each client request may hold an origin connection."""
     return max(64, (nofile - RESERVED_FDS) // 2)
+
+
+def descriptors_short(max_connections: int, nofile: int) -> str:
+    """Why a descriptor limit of `nofile` cannot hold `max_connections` busy
+    client connections (each with its origin connection, plus RESERVED_FDS),
+    for a warning at start; "" when it can.
+
+    Past the limit, accept() fails with EMFILE and libuv (uvloop) closes the
+    waiting connections unanswered, logging nothing: clients see resets, not
+    the 503 of the connection cap (trial 74)."""
+    need = 2 * max_connections + RESERVED_FDS
+    if need <= nofile:
+        return ""
+    return (
+        f"--max-connections {max_connections} needs about {need} file descriptors "
+        f"(each client stream also holds an origin connection, plus {RESERVED_FDS} for "
+        f"the rest of the process) but the limit is {nofile}: past it new connections "
+        f"are reset without an answer; lower --max-connections to "
+        f"{default_max_connections(nofile)} (or leave it out to size it from the limit) "
+        "or raise the hard limit (ulimit -Hn, systemd's LimitNOFILE, the container "
+        "runtime's nofile)"
+    )
 
 
 class ConnectionCaps:
@@ -1128,8 +1154,9 @@ class EdgeServer(web.Server):
 class EdgeRunner(web.AppRunner):
     """An AppRunner whose listeners apply `limits` (see the module docstring).
 
-    `max_connections` of 0 is sized here from the descriptor limit, which is
-    first raised to its hard limit (a process-wide side effect, done at setup).
+    The soft descriptor limit is raised to the hard one at setup (a
+    process-wide side effect), and `max_connections` of 0 is sized from it; a
+    given `max_connections` the limit cannot hold is warned about, once.
     """
 
     __slots__ = ("_limits", "caps")
@@ -1150,7 +1177,12 @@ class EdgeRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         base = await super()._make_server()
         limits = self._limits
-        total = limits.max_connections or default_max_connections(raise_nofile_limit())
+        # Raised whether or not the cap is given (trial 74: an explicit
+        # --max-connections left the soft limit at 1024).
+        nofile = raise_nofile_limit()
+        total = limits.max_connections or default_max_connections(nofile)
+        if short := descriptors_short(total, nofile):
+            log.warning("%s", short)
         per_client = limits.max_connections_per_client or max(1, total // 4)
         self.caps = ConnectionCaps(total, per_client)
         # The app is frozen by now: its fixed routes are dispatched without the router.

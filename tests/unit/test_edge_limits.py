@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import inspect
+import logging
 import re
 import zlib
 from pathlib import Path
@@ -19,12 +20,16 @@ from aiohttp.http_parser import HttpResponseParser
 from aiohttp.test_utils import make_mocked_request
 
 from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
+from dataplane.http import edge
 from dataplane.http.edge import (
     ConnectionCaps,
+    EdgeLimits,
     EdgeProtocol,
+    EdgeRunner,
     HeadTooLarge,
     _has_prepare_hooks,
     default_max_connections,
+    descriptors_short,
     parser_error,
 )
 from dataplane.http.errors import ApiError
@@ -189,6 +194,65 @@ def test_the_default_cap_leaves_headroom_under_the_descriptor_limit() -> None:
         cap = default_max_connections(nofile)
         assert cap > 0 and 2 * cap < nofile
     assert default_max_connections(100) == 64  # a floor, whatever the limit
+
+
+class FakeLimits:
+    """resource's RLIMIT_NOFILE calls, over a soft and a hard limit of its own."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.soft, self.hard
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == self.RLIMIT_NOFILE and limits[1] == self.hard
+        self.soft = limits[0]
+
+
+@pytest.mark.parametrize("max_connections", [0, 2000])
+async def test_the_soft_descriptor_limit_is_raised_whether_or_not_the_cap_is_given(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, max_connections: int
+) -> None:
+    # Trial 74: under `prlimit --nofile=1024:20000`, --max-connections 2000
+    # left the soft limit at 1024, and clients past ~500 streams got resets.
+    limits = FakeLimits(1024, 20_000)
+    monkeypatch.setattr(edge, "resource", limits)
+    runner = EdgeRunner(web.Application(), EdgeLimits(max_connections=max_connections))
+    with caplog.at_level(logging.WARNING, logger=edge.__name__):
+        await runner.setup()
+    try:
+        assert limits.soft == 20_000
+        assert runner.caps is not None
+        assert runner.caps.total == (max_connections or default_max_connections(20_000))
+        assert not caplog.records  # 20,000 descriptors hold 2,000 streams
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_cap_the_descriptor_limit_cannot_hold_is_warned_about_at_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(edge, "resource", FakeLimits(1024, 1024))
+    runner = EdgeRunner(web.Application(), EdgeLimits(max_connections=2000))
+    with caplog.at_level(logging.WARNING, logger=edge.__name__):
+        await runner.setup()
+    await runner.cleanup()
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "--max-connections 2000" in record.getMessage()
+    assert f"lower --max-connections to {default_max_connections(1024)}" in record.getMessage()
+    assert "the limit is 1024" in record.getMessage()
+
+
+def test_descriptors_short_counts_an_origin_connection_per_client_connection() -> None:
+    assert descriptors_short(default_max_connections(20_000), 20_000) == ""
+    assert descriptors_short(1000, 2 * 1000 + 256) == ""
+    assert descriptors_short(1000, 2 * 1000 + 255) != ""
 
 
 # ---------------------------------------------------------------- parser errors
