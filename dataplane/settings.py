@@ -190,9 +190,11 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--control-plane",
         default="127.0.0.1:7070",
-        help="control plane gRPC addresses, comma-separated HOST:PORT",
+        help="control plane gRPC addresses, comma-separated HOST:PORT (default %(default)s)",
     )
-    p.add_argument("--listen", default="127.0.0.1:8080", help="HTTP listen HOST:PORT")
+    p.add_argument(
+        "--listen", default="127.0.0.1:8080", help="HTTP listen HOST:PORT (default %(default)s)"
+    )
     p.add_argument("--region", required=True, help="region this proxy runs in")
     p.add_argument(
         "--name",
@@ -208,7 +210,12 @@ def parse(argv: list[str]) -> Settings:
         "control plane is unreachable)",
     )
     p.add_argument(
-        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY,
+        metavar="BYTES",
+        help="largest request body accepted, as sent and once its content coding "
+        "is undone (default %(default)s, 8 MiB)",
     )
     p.add_argument(
         "--max-answer-bytes",
@@ -382,7 +389,7 @@ def parse(argv: list[str]) -> Settings:
         "--forward-headers",
         default="",
         help="extra client headers to pass to origins, comma-separated "
-        "(Authorization is never passed)",
+        "(Authorization is never passed; default: none)",
     )
     p.add_argument(
         "--geoip-db",
@@ -394,7 +401,7 @@ def parse(argv: list[str]) -> Settings:
         "--trusted-proxies",
         default="",
         help="CIDRs of load balancers whose X-Forwarded-For/Forwarded is believed, "
-        "comma-separated; headers from other peers are ignored",
+        "comma-separated; headers from other peers are ignored (default: none)",
     )
     p.add_argument(
         "--cors-origins",
@@ -415,7 +422,8 @@ def parse(argv: list[str]) -> Settings:
         "--report-interval-ms",
         type=int,
         default=1000,
-        help="how often rate-limit demand is reported to the control plane",
+        help="how often rate-limit demand is reported to the control plane "
+        "(default %(default)s)",
     )
     # The time constant of rate-limit demand (DEMAND_TAU_S): hidden, for tests
     # that would otherwise wait out a 5 s fade.
@@ -533,7 +541,7 @@ def parse(argv: list[str]) -> Settings:
         default="off",
         help="one JSON line per answer on standard output: request id, tenant, model, "
         "region, origin, attempts, cache status and bypass reason, status, TTFT, "
-        "duration, tokens (README: Access log)",
+        "duration, tokens (README: Access log; default %(default)s)",
     )
     p.add_argument(
         "--access-log-sample",
@@ -542,16 +550,22 @@ def parse(argv: list[str]) -> Settings:
         metavar="RATE",
         help="with --access-log on, write this share of answers (0 < RATE <= 1), "
         "chosen at random; every answer with an error (refusals, 5xx, cut streams, "
-        "clients that left) is written whatever the share",
+        "clients that left) is written whatever the share (default %(default)s)",
     )
     p.add_argument(
         "--access-log-probes",
         choices=["on", "off"],
         default="off",
         help="with --access-log on, write lines for successful answers of /healthz, "
-        "/readyz and /metrics too (probes and scrapes; their failures are always written)",
+        "/readyz and /metrics too (probes and scrapes; their failures are always "
+        "written; default %(default)s)",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="default %(default)s",
+    )
     a = p.parse_args(argv)
     try:
         host, port = listen_address(a.listen)

@@ -12,6 +12,7 @@ characters long), and those workers answered 503 for ever."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,31 @@ def test_the_demand_time_constant_is_five_seconds_unless_a_test_sets_it(
         parse([*BASE, "--demand-tau-ms", "50"])
     assert exit_.value.code == 2
     assert "--demand-tau-ms must be at least 100" in capsys.readouterr().err
+
+
+def test_every_flag_with_a_default_states_it_in_the_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Trial 74: --max-body-bytes said nothing of its 8 MiB while most flags
+    # show theirs. Flags whose absence means "none" (a file, an address) may
+    # say nothing; every flag with a value of its own says it.
+    parser_flags: dict[str, str] = {}
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    shown = capsys.readouterr().out
+    # Each option's help: from its line to the next option's.
+    for block in re.split(r"\n  (?=-)", shown.split("options:", 1)[1]):
+        if not block.strip():
+            continue
+        flag = block.split()[0].rstrip(",")
+        parser_flags[flag] = " ".join(block.split())
+    unset = {"-h", "--version", "--region", "--advertise", "--state-dir", "--origin-ca",
+             "--tls-ca", "--tls-cert", "--tls-key", "--bootstrap-token-file",
+             "--ready-file", "--metrics-listen"}  # fmt: skip
+    missing = [
+        flag
+        for flag, text in parser_flags.items()
+        if flag not in unset and "default" not in text.lower()
+    ]
+    assert missing == []
+    assert "default 8388608, 8 MiB" in parser_flags["--max-body-bytes"]
