@@ -527,7 +527,8 @@ def parse(argv: list[str]) -> Settings:
         "--metrics-listen",
         default="",
         help="serve GET /metrics on this HOST:PORT only, not on --listen: keep the tenant "
-        "names and counts it lists off the public port (the Helm chart sets it)",
+        "names and counts it lists off the public port (the Helm chart sets it); it "
+        "answers /healthz too, past --max-connections: the port for a liveness probe",
     )
     p.add_argument(
         "--metrics-key-labels",

@@ -403,16 +403,26 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
 
 
 def build_metrics_app(app: web.Application) -> web.Application:
-    """GET /metrics of the proxy `app`, alone, for `--metrics-listen`.
+    """GET /metrics of the proxy `app`, alone, for `--metrics-listen`, and its
+    liveness (/healthz, /health: the public port's answer).
 
     The same registry and error boundary; served by its own runner, so the
-    public port does not answer /metrics at all.
+    public port does not answer /metrics at all. Its listener has no client
+    connection cap (a plain AppRunner): a liveness probe here is answered
+    while streams hold every connection the public port allows (trial 74:
+    there it got the cap's 503 for up to 31 s, and a kubelet would have
+    restarted a full but healthy proxy).
     """
     metrics_app = web.Application(middlewares=[errors_and_metrics])
     metrics_app[METRICS] = app[METRICS]
     metrics_app[DRAINING] = app[DRAINING]
     metrics_app[REQUEST_IDS] = app[REQUEST_IDS]
+    metrics_app[HOLDER] = app[HOLDER]
+    metrics_app[CLIENT] = app[CLIENT]
+    metrics_app[QUOTA] = app[QUOTA]
     metrics_app.router.add_get("/metrics", endpoints.metrics, name="metrics")
+    metrics_app.router.add_get("/healthz", endpoints.healthz, name="healthz")
+    metrics_app.router.add_get("/health", endpoints.healthz, name="health")
     return metrics_app
 
 

@@ -29,6 +29,8 @@ from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.edge import MAX_HEAD, EdgeRunner, parser_error
 from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.state import ACCESS_LOG, METRICS
+from dataplane.run import serve_metrics
+from dataplane.settings import parse as parse_proxy
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
 from tests.functional.edgestack import serve_on_edge
@@ -664,6 +666,38 @@ async def test_at_the_cap_with_every_connection_busy_a_new_one_gets_a_503(
     [record] = refusal_records(caplog)
     assert "too_many_connections" in record.getMessage()
     assert edge.origin_requests() == 0
+
+
+async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
+    start_edge: Start, tmp_path: Path
+) -> None:
+    # Trial 74: with every connection held by a stream, /healthz on the public
+    # port got the cap's 503 (a kubelet would restart a full, healthy proxy);
+    # the metrics listener has no client cap and answers it.
+    flags = ("--max-connections=2", "--max-connections-per-client=2", "--metrics-listen=127.0.0.1:0")
+    edge = await start_edge(*flags)
+    busy = [await busy_connection(edge) for _ in range(2)]
+    await wait_open(edge, 2)
+    reader, writer = await edge.connect()
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    assert (await read_answer(reader)).error()["code"] == "too_many_connections"
+    writer.close()
+    settings = parse_proxy(["--region=r1", f"--state-dir={tmp_path}", *flags])
+    served = await serve_metrics(edge.runner.app, settings)
+    assert served is not None
+    runner, site = served
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            for path in ("/healthz", "/health"):
+                async with session.get(f"http://127.0.0.1:{port}{path}") as answer:
+                    assert answer.status == 200, path
+                    doc = await answer.json()
+                    assert doc["status"] == "ok" and doc["route_table_version"] == 1
+    finally:
+        await runner.cleanup()
+        for _, w in busy:
+            w.close()
 
 
 async def test_at_the_cap_the_longest_waiting_connection_makes_room(start_edge: Start) -> None:

@@ -280,8 +280,9 @@ def test_one_proxy_deployment_and_service_per_region(three: list[Doc]) -> None:
         assert f["--metrics-key-labels"] == "on"
         assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
         assert f["--state-dir"] == "/var/lib/ponto"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        # Liveness past the client connection cap (trial 74), readiness under it.
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
         pods = deployment["spec"]["template"]["metadata"]["labels"]
         assert pods["ponto.io/region"] == region
         assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
