@@ -674,7 +674,11 @@ async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
     # Trial 74: with every connection held by a stream, /healthz on the public
     # port got the cap's 503 (a kubelet would restart a full, healthy proxy);
     # the metrics listener has no client cap and answers it.
-    flags = ("--max-connections=2", "--max-connections-per-client=2", "--metrics-listen=127.0.0.1:0")
+    flags = (
+        "--max-connections=2",
+        "--max-connections-per-client=2",
+        "--metrics-listen=127.0.0.1:0",
+    )
     edge = await start_edge(*flags)
     busy = [await busy_connection(edge) for _ in range(2)]
     await wait_open(edge, 2)

@@ -19,8 +19,8 @@ from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, BadStatusLine
 from aiohttp.http_parser import HttpResponseParser
 from aiohttp.test_utils import make_mocked_request
 
-from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
 from dataplane.http import edge
+from dataplane.http.body import MAX_CODINGS, MAX_GZIP_MEMBERS, decode_body
 from dataplane.http.edge import (
     ConnectionCaps,
     EdgeLimits,
