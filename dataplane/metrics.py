@@ -1143,6 +1143,26 @@ class Metrics:
         proxy's KeySets (iterated at scrape time)."""
         JwksSets(lambda: sets, time.time, registry=self.registry)
 
+    def bind_transcripts(self, held: Callable[[], int], dropped: Mapping[str, int]) -> None:
+        """Export what streams' transcripts hold (`held`, read at scrape time)
+        and the transcripts each bound stopped (`dropped`, by bound: a
+        TranscriptBudget's)."""
+        Gauge(
+            "ponto_stream_transcript_bytes",
+            "Bytes of relayed events held to continue cut streams, against "
+            "--max-transcripts-mb (this process)",
+            registry=self.registry,
+        ).set_function(lambda: float(held()))
+        ReadCounters(
+            "ponto_stream_transcripts_dropped",
+            "Streams whose transcript was dropped, so that they are not continued if cut: "
+            "stream (its events passed 4 MiB) or proxy (all streams' held "
+            "--max-transcripts-mb)",
+            "bound",
+            lambda: dropped,
+            registry=self.registry,
+        )
+
     def bind_region(self, available: Callable[[], bool]) -> None:
         """Export ponto_cache_region_up from `available` (a proxy with --redis)."""
         self.region_up.set_function(lambda: 1.0 if available() else 0.0)

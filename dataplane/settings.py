@@ -19,6 +19,7 @@ from dataplane.http.edge import EdgeLimits
 from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.ratelimit.limiter import DEMAND_TAU_S
+from dataplane.streaming.splice import DEFAULT_TRANSCRIPTS_BYTES
 from dataplane.upstream.forwarder import UpstreamSettings
 from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QUEUE_TIMEOUT
@@ -100,6 +101,8 @@ class Settings:
     # RateLimiter's demand_tau_s (the hidden --demand-tau-ms: tests only).
     demand_tau: float = DEMAND_TAU_S
     cache_max_bytes: int = 256 << 20
+    # What all streams' transcripts (for continuations) hold, per process.
+    max_transcripts_bytes: int = DEFAULT_TRANSCRIPTS_BYTES
     drain_seconds: float = 0.0
     cache: CacheDefaults = field(default_factory=CacheDefaults)
     # Header whose value keeps a client's requests on one replica (a session).
@@ -422,13 +425,23 @@ def parse(argv: list[str]) -> Settings:
         "--report-interval-ms",
         type=int,
         default=1000,
-        help="how often rate-limit demand is reported to the control plane "
-        "(default %(default)s)",
+        help="how often rate-limit demand is reported to the control plane (default %(default)s)",
     )
     # The time constant of rate-limit demand (DEMAND_TAU_S): hidden, for tests
     # that would otherwise wait out a 5 s fade.
     p.add_argument(
         "--demand-tau-ms", type=int, default=int(DEMAND_TAU_S * 1000), help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--max-transcripts-mb",
+        type=int,
+        default=DEFAULT_TRANSCRIPTS_BYTES >> 20,
+        metavar="MB",
+        help="memory all streams hold at once, per process, to continue a cut stream "
+        "on another origin (each stream its events, up to 4 MiB); past it a stream "
+        "keeps none and is not continued if cut "
+        '(ponto_stream_transcripts_dropped_total{bound="proxy"}). Default: '
+        "%(default)s",
     )
     p.add_argument(
         "--cache-max-mb",
@@ -661,6 +674,8 @@ def parse(argv: list[str]) -> Settings:
     origin_ssl = origin_ca_flag(p, a.origin_ca)
     if a.cache_max_mb < 0:
         p.error("--cache-max-mb must be 0 (no cache) or more")
+    if a.max_transcripts_mb < 0:
+        p.error("--max-transcripts-mb must be 0 (no stream is continued) or more")
     if not 1 <= a.cache_max_entry_kb <= MAX_ENTRY_KB:
         p.error(f"--cache-max-entry-kb must be 1 to {MAX_ENTRY_KB} (1 GB)")
     if a.cache_ttl <= 0:
@@ -765,6 +780,7 @@ def parse(argv: list[str]) -> Settings:
         report_interval=a.report_interval_ms / 1000,
         demand_tau=a.demand_tau_ms / 1000,
         cache_max_bytes=a.cache_max_mb << 20,
+        max_transcripts_bytes=a.max_transcripts_mb << 20,
         drain_seconds=a.drain_seconds,
         cache=CacheDefaults(
             ttl_s=a.cache_ttl,

@@ -90,7 +90,7 @@ from dataplane.ratelimit.tokens import (
 from dataplane.routes import Point, Routes, Target
 from dataplane.streaming.relay import STOPPED_WRITE_S
 from dataplane.streaming.responses_events import response_events
-from dataplane.streaming.splice import Transcript
+from dataplane.streaming.splice import Transcript, TranscriptBudget
 from dataplane.streaming.usage import (
     Usage,
     UsageCounter,
@@ -392,6 +392,7 @@ class Pipeline:
         tracer: RequestTracer | None = None,
         origin_stream_usage: bool = True,
         draining: Draining | None = None,
+        transcripts: TranscriptBudget | None = None,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -412,6 +413,8 @@ class Pipeline:
         # The app's DRAINING (a new one, never active, when not given), read
         # by every whole answer sent early (sent_now).
         self.draining = draining if draining is not None else Draining()
+        # What every stream's transcript holds, against --max-transcripts-mb.
+        self.transcripts = transcripts if transcripts is not None else TranscriptBudget()
         # Flights' tasks whose leading client left (Pipeline.lead): kept until
         # they end, cancelled by `close`.
         self._detached: set[asyncio.Task[web.StreamResponse]] = set()
@@ -1083,7 +1086,7 @@ class Pipeline:
         if continuable and not rules.continuation:
             whole = Finished(ex, counter, self.metrics, origin.target.name)
         elif continuable:
-            transcript = Transcript()
+            transcript = Transcript(self.transcripts)
             resume = Continuations(
                 ex,
                 self.forwarder,
@@ -1129,6 +1132,8 @@ class Pipeline:
         finally:
             if watch is not None:
                 watch.close()
+            if transcript is not None:
+                transcript.release()  # a cut or cancelled stream's too
             if resume is not None:
                 resume.close()
                 ex.continuation_prompt = resume.extra_prompt

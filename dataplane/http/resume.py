@@ -31,6 +31,7 @@ from dataplane.metrics import Metrics
 from dataplane.routes import Target
 from dataplane.streaming.relay import ERROR_EVENT, STALL_CUTS, Next, OwnEnd
 from dataplane.streaming.splice import (
+    PROXY_BOUND,
     Splicer,
     StreamState,
     Transcript,
@@ -112,6 +113,9 @@ class Continuations:
             # As for a whole answer past the bound (errors.upstream_too_large):
             # another origin asked the same would make as long an event.
             self._give_up(cut, "another origin would make as long an event")
+            return None
+        if self._transcript.overflow == PROXY_BOUND:
+            self._give_up(cut, "the proxy's streams held --max-transcripts-mb already")
             return None
         if self._transcript.overflow:
             self._give_up(cut, "the answer was too long to keep for a continuation")

@@ -61,6 +61,7 @@ from dataplane.placement.load import LoadBoard
 from dataplane.placement.picker import Picker
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
+from dataplane.streaming.splice import TranscriptBudget
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
 from dataplane.sync.quota import QuotaState
@@ -206,6 +207,8 @@ class Proxy:
         m.bind_auth(lambda: holder.policy.authenticator.problems if holder.policy else {})
         m.bind_jwks(key_sets)
         m.bind_cache(lambda: store.stats, local.reserved)
+        self.transcripts = transcripts = TranscriptBudget(settings.max_transcripts_bytes)
+        m.bind_transcripts(lambda: transcripts.held, transcripts.dropped)
         m.bind_semantic(lambda: cache.semantic)
         m.bind_fleet(lambda: dict(holder.refused), lambda: holder.fleet_id, lambda: holder.refusing)
         m.bind(
@@ -276,6 +279,7 @@ class Proxy:
             tracer=self.tracer,
             origin_stream_usage=settings.origin_stream_usage,
             draining=self.draining,
+            transcripts=self.transcripts,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),

@@ -4,7 +4,8 @@ When an origin's stream stops after the client has bytes, the proxy asks the
 next origin for the rest and splices it into the same client stream:
 
 * `Transcript` keeps the raw data of every event relayed so far (an append
-  per event; nothing is parsed unless the stream breaks).
+  per event; nothing is parsed unless the stream breaks), up to its own bound
+  and the process's (`TranscriptBudget`).
 * `read_state` turns a transcript into what was said: the stream's `id`,
   `created` and `model`, each choice's text, whether a choice finished or a
   tool call was under way, the tokens sent.
@@ -37,6 +38,7 @@ __all__ = [
     "Splicer",
     "StreamState",
     "Transcript",
+    "TranscriptBudget",
     "continuation_body",
     "is_error_event",
     "not_continued",
@@ -51,28 +53,83 @@ COMPLETIONS: Final = "completions"
 # transcript stops there, so memory per stream stays bounded (about 10k tokens
 # of a typical stream fit).
 MAX_TRANSCRIPT_BYTES: Final = 4 << 20
+# What all of a process's transcripts may hold together (--max-transcripts-mb):
+# 4 MiB each alone let thousands of held streams grow without bound (trial 74).
+# Per worker: the chart's pod (2 workers, 1 GiB) holds about 465 MB before
+# requests under way, so 2 x 128 MB leaves room for the streams themselves.
+# About 550 streams of 1,000 events each fit.
+DEFAULT_TRANSCRIPTS_BYTES: Final = 128 << 20
+
+# Transcript.overflow: which bound stopped it.
+STREAM_BOUND: Final = "stream"
+PROXY_BOUND: Final = "proxy"
+
+
+class TranscriptBudget:
+    """The event bytes all transcripts of one process hold (`held`), against
+    `limit`, and how many transcripts each bound stopped (`dropped`, by
+    STREAM_BOUND and PROXY_BOUND, for a counter read at scrape time).
+
+    One per app; its transcripts add to it and give back, all on the event
+    loop's thread (no lock)."""
+
+    __slots__ = ("dropped", "held", "limit")
+
+    def __init__(self, limit: int = DEFAULT_TRANSCRIPTS_BYTES) -> None:
+        self.limit = limit
+        self.held = 0
+        self.dropped = {STREAM_BOUND: 0, PROXY_BOUND: 0}
 
 
 class Transcript:
     """The data of every event relayed so far, in order (an EventSink), up to
-    MAX_TRANSCRIPT_BYTES; `overflow` says it stopped there."""
+    MAX_TRANSCRIPT_BYTES and while `budget`'s transcripts hold no more than
+    its limit; `overflow` says which bound stopped it ("" while it keeps
+    events). Stopped, it drops its events and gives their bytes back: the
+    stream is not continued if cut.
 
-    __slots__ = ("_size", "events", "overflow")
+    Its owner (the stream's relay) calls `release` once the stream has ended,
+    however it ended (a cancellation included), so the budget gets back what
+    the transcript held."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_budget", "_size", "events", "overflow")
+
+    def __init__(self, budget: TranscriptBudget | None = None) -> None:
         self.events: list[bytes] = []
-        self.overflow = False
-        self._size = 0
+        self.overflow = ""
+        self._size = 0  # also what this transcript holds of `budget`
+        self._budget = budget
 
     def event(self, ev: Event) -> None:
         if ev.done or self.overflow:
             return
-        self._size += len(ev.data)
+        size = len(ev.data)
+        self._size += size
+        budget = self._budget
+        if budget is not None:
+            budget.held += size
         if self._size > MAX_TRANSCRIPT_BYTES:
-            self.overflow = True
-            self.events = []
-            return
-        self.events.append(ev.data)
+            self._stop(STREAM_BOUND)
+        elif budget is not None and budget.held > budget.limit:
+            # The stream whose event went past the bound stops; the others
+            # keep theirs (dropping every transcript at once would leave no
+            # stream continuable).
+            self._stop(PROXY_BOUND)
+        else:
+            self.events.append(ev.data)
+
+    def _stop(self, bound: str) -> None:
+        self.overflow = bound
+        self.events = []
+        if self._budget is not None:
+            self._budget.dropped[bound] += 1
+        self.release()
+
+    def release(self) -> None:
+        """Give the bytes held back to the budget (again: nothing more)."""
+        if self._budget is not None:
+            self._budget.held -= self._size
+        self._size = 0
 
 
 # Why a stream stopped at an origin's in-band error event (a continued one's,

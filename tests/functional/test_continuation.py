@@ -357,6 +357,64 @@ async def test_a_tool_call_cut_mid_argument_ends_cleanly_with_an_error_event(
     assert not b.bodies
 
 
+def transcripts(p: Proxy) -> tuple[float | None, float | None]:
+    """What streams' transcripts hold, and how many the proxy's bound dropped."""
+    registry = p.app[METRICS].registry
+    return (
+        registry.get_sample_value("ponto_stream_transcript_bytes"),
+        registry.get_sample_value("ponto_stream_transcripts_dropped_total", {"bound": "proxy"}),
+    )
+
+
+async def test_a_stream_past_the_proxys_transcript_bound_is_not_continued(
+    proxy: Callable[..., Awaitable[Proxy]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Trial 74: memory for continuations grew with the streams held; past
+    # --max-transcripts-mb a stream keeps no transcript, as past its own 4 MiB.
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)], extra=["--max-transcripts-mb=0"])
+    with caplog.at_level(logging.WARNING):
+        chunks, _ = await p.stream()
+    assert chunks[-1]["error"]["code"] == "upstream_stream_broken"
+    assert not b.bodies
+    assert p.app[METRICS].continuations.labels("refused").value == 1
+    assert transcripts(p) == (0.0, 1.0)
+    assert any("--max-transcripts-mb" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_streams_transcript_is_given_back_however_the_stream_ends(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    a, b = await first_origin("cut"), await second_origin()
+    p = await proxy([(a, True), (b, True)])
+    chunks, _ = await p.stream()
+    assert text_of(chunks) == "Hello world"  # continued: its transcript was read
+    assert transcripts(p) == (0.0, 0.0)
+    # A client that leaves mid-stream: its handler is cancelled.
+    sent = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(event("first", "", role=True) + event("first", "Hel"))
+        sent.set()
+        await asyncio.sleep(30)
+        return out
+
+    p = await proxy([(Origin(held), True), (await second_origin(), True)], idle="30")
+    resp = await p.client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert resp.status == 200
+    await asyncio.wait_for(sent.wait(), 10)
+    await resp.content.readuntil(b"Hel")
+    assert (transcripts(p)[0] or 0) > 0  # the events relayed so far
+    resp.close()
+    async with asyncio.timeout(10):
+        while transcripts(p)[0] != 0:
+            await asyncio.sleep(0.01)
+
+
 async def test_the_limit_of_continuations_holds(proxy: Callable[..., Awaitable[Proxy]]) -> None:
     origins = [await first_origin("cut") for _ in range(3)]
     p = await proxy([(o, True) for o in origins], pb.StreamPolicy(max_continuations=1))

@@ -9,8 +9,11 @@ import pytest
 
 from dataplane.http.resume import budget_spent
 from dataplane.streaming.splice import (
+    PROXY_BOUND,
+    STREAM_BOUND,
     Splicer,
     Transcript,
+    TranscriptBudget,
     continuation_body,
     is_error_event,
     not_continued,
@@ -253,6 +256,42 @@ def test_a_transcript_past_its_bound_keeps_nothing() -> None:
     for _ in range(5):
         t.event(Event(big))
     assert t.overflow and t.events == []
+
+
+def test_transcripts_share_the_processs_bound_and_give_back_what_they_held() -> None:
+    # Trial 74: 4 MiB per stream alone let thousands of held streams grow
+    # without bound; all transcripts together now keep to the budget's limit.
+    budget = TranscriptBudget(limit=250)
+    first, second, third = Transcript(budget), Transcript(budget), Transcript(budget)
+    first.event(Event(b"a" * 100))
+    second.event(Event(b"b" * 100))
+    assert budget.held == 200
+    third.event(Event(b"c" * 100))  # past the limit: this one stops, the others keep theirs
+    assert third.overflow == PROXY_BOUND and third.events == []
+    assert first.events == [b"a" * 100] and not first.overflow
+    assert budget.held == 200 and budget.dropped == {STREAM_BOUND: 0, PROXY_BOUND: 1}
+    third.event(Event(b"c"))  # a stopped transcript keeps nothing more
+    assert budget.held == 200
+    first.release()  # its stream ended
+    assert budget.held == 100
+    first.release()  # a second release gives back nothing
+    assert budget.held == 100
+    fourth = Transcript(budget)
+    fourth.event(Event(b"d" * 100))
+    assert fourth.events == [b"d" * 100] and budget.held == 200
+    for t in (second, third, fourth):
+        t.release()
+    assert budget.held == 0
+
+
+def test_a_transcript_past_its_own_bound_gives_its_bytes_back() -> None:
+    budget = TranscriptBudget()
+    t = Transcript(budget)
+    big = b"x" * (1 << 20)
+    for _ in range(5):
+        t.event(Event(big))
+    assert t.overflow == STREAM_BOUND and budget.held == 0
+    assert budget.dropped == {STREAM_BOUND: 1, PROXY_BOUND: 0}
 
 
 @pytest.mark.parametrize(
