@@ -243,6 +243,7 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
         "PontoRegionCacheRefusingWrites",
         "PontoJwksStale",
         "PontoAccessLogDropping",
+        "PontoProxyDescriptorsNearLimit",
     }
     # PontoControlPlaneNoLeader's absent() would fire for ever where no control plane is.
     # The proxies' own ponto_control_plane_connected aside.

@@ -48,6 +48,7 @@ ALERTS = {
     "PontoRegionCacheRefusingWrites",
     "PontoJwksStale",
     "PontoAccessLogDropping",
+    "PontoProxyDescriptorsNearLimit",
 }
 
 
