@@ -783,8 +783,10 @@ class Pipeline:
             )
         except ApiError as exc:
             ex.attempts = exc.attempts
-            if not exc.spent:
-                ex.usage = Usage(0, 0)
+            # No origin answered: none is charged for (billing trial 76: a
+            # 502 after 500s charged the budgets the prompt's estimate that
+            # the access log and ponto_tenant_tokens_total never saw).
+            ex.usage = Usage(0, 0)
             if ex.pinned is not None:
                 pinned_origin_failed(exc, ROUTE_HEADER)
             raise
@@ -898,12 +900,13 @@ class Pipeline:
             ex.usage = self.believe(
                 ex, origin.target.name, usage_of(obj), len(body), len(body) // 4
             )
-        elif origin.status < 500 and not origin.others_worked:
-            # The origin refused the request (a prompt past its context, its
-            # own limit): it did no work, so the prompt's estimate is given
-            # back, as for a cache hit. A 5xx keeps it: the origin may have
-            # spent the prefill before failing; so does a 4xx after another
-            # origin failed once it had the request (review 49).
+        elif origin.status >= 400:
+            # An error answer is no answer: nothing is charged, the prompt's
+            # estimate is given back as for a cache hit, whatever an origin
+            # may have spent before failing (a 5xx, or a 4xx after another
+            # origin's 500: review 49 kept the estimate, which only the
+            # budgets then charged; billing trial 76). What is charged is
+            # what the access log and ponto_tenant_tokens_total show.
             ex.usage = Usage(0, 0)
         if not parsed:
             entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)

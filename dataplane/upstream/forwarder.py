@@ -283,8 +283,8 @@ class OriginAnswer:
     this one answered first (0 or 1): the origin spent that call's prompt
     tokens, and the caller may account them. `others_worked`: an attempt
     before it (or a hedge beside it) failed after its origin may have done
-    work (_Retryable.worked), so an error answer does not give back the
-    prompt's tokens (review 49).
+    work (_Retryable.worked); told, not billed: an error answer charges
+    nothing (billing trial 76, pipeline.respond).
     """
 
     target: Target
@@ -360,7 +360,7 @@ class _Tries:
     first_within: float | None = None
     first_bound: str = _IDLE_BOUND  # what first_within is, for the log
     # Some failed attempt may have cost its origin work (_Retryable.worked, or
-    # past the deadline): a 502 then keeps the prompt's tokens charged.
+    # past the deadline); told, not billed: a 502 charges nothing (trial 76).
     worked: bool = False
     # The error of the last 2xx answer that was one (ERROR_ANSWER) and could
     # be shown: the 502's, when no origin answered.
