@@ -721,6 +721,18 @@ class Metrics:
             ["tenant", *by_key, "kind"],
             registry=r,
         )
+        # A counter of its own, not a label of ponto_tenant_tokens: a label
+        # would split every existing series (billing trial 76).
+        self.tenant_estimated_tokens = Counter(
+            "ponto_tenant_estimated_tokens",
+            "Of ponto_tenant_tokens, those of answers whose count is the proxy's "
+            "estimate in whole or in part (a stream without usage, a hedge's prompt "
+            "without the winner's count, an origin's usage not believed), by tenant, "
+            + ("API key id " if by_key else "")
+            + "and kind",
+            ["tenant", *by_key, "kind"],
+            registry=r,
+        )
         self.origin_prompt_tokens = Counter(
             "ponto_origin_prompt_tokens",
             "Prompt tokens by origin, of answers whose usage says how many of them the "
@@ -949,6 +961,7 @@ class Metrics:
         self._requests_by = {k: cell for k, cell in self._requests_by.items() if kept(k[:1])}
         for values in self.tenant_tokens.forget(kept):
             self._tokens_for.pop(values[:-1], None)  # less the token type
+        self.tenant_estimated_tokens.forget(kept)
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         """An answer of `status` to a request of `endpoint` that took `seconds`:
@@ -1004,6 +1017,12 @@ class Metrics:
             if cell is None:
                 cell = cells[1] = self.tenant_tokens.labels(*who, "completion")
             cell.value += completion
+        if not usage.exact and usage.total:
+            # Rare (origins mostly count): through labels(), not cells kept.
+            if prompt:
+                self.tenant_estimated_tokens.labels(*who, "prompt").inc(prompt)
+            if completion:
+                self.tenant_estimated_tokens.labels(*who, "completion").inc(completion)
 
     def account_prefix_cache(self, origin: str, usage: Usage) -> None:
         """Count an answer's prompt tokens at `origin`, and those its prefix

@@ -112,6 +112,10 @@ class AccessRecord:
     # root), the trace id its origin calls carried. None with tracing off.
     trace_id: str | None = None
     span_id: str | None = None
+    # The tokens are in whole or in part the proxy's estimate, not an origin's
+    # count (billing trial 76: a stream without usage read as exact); None
+    # where there are no tokens.
+    tokens_estimated: bool | None = None
 
     def line(self) -> bytes:
         return jsonio.dumps(self) + b"\n"
@@ -218,6 +222,8 @@ def record(
         cached_tokens=usage.cached_tokens if usage is not None else None,
         trace_id=trace_id,
         span_id=span_id,
+        # A given-back 0 is no estimate (a hit, an error answer).
+        tokens_estimated=not usage.exact and usage.total > 0 if usage is not None else None,
     )
 
 

@@ -164,6 +164,7 @@ class Exchange:
         "estimate",
         "first_chunk_at",
         "headers",
+        "hedge_calls",
         "hedge_prompt",
         "hedged",
         "idle_timeout_own",
@@ -266,7 +267,8 @@ class Exchange:
         # Prompt tokens of origin calls beyond the one answering: continuations
         # (counted in a summed usage when the stream has one) and hedges (never).
         self.continuation_prompt: int = 0
-        self.hedge_prompt: int = 0
+        self.hedge_prompt: int = 0  # the hedges' prompts, by the estimate
+        self.hedge_calls: int = 0  # cancelled hedges: sent the winner's prompt
         self.continued: int = 0  # continuations of a cut stream
         # A Responses follow-up of a response an origin stored for the caller
         # (`Pipeline.pin`): that origin, the only one it goes to, and the
@@ -699,6 +701,7 @@ class Pipeline:
                 ex.trace.answered(origin)
             # A cancelled hedge still cost its origin the prompt's prefill.
             ex.hedge_prompt = ex.estimate * origin.extra_calls
+            ex.hedge_calls = origin.extra_calls
             if origin.streamed and origin.status < 400 and plan.leader is not None:
                 return await self.lead(request, ex, origin, plan)
             try:
@@ -1254,7 +1257,10 @@ class Pipeline:
 def spent(ex: Exchange) -> Usage | None:
     """The tokens `ex` cost so far (None: unknown): a relayed stream's count
     (with its continuations' prompts when the proxy counted), else its
-    answer's usage; and the prompts of its hedges. A new Usage each call."""
+    answer's usage; and the prompts of its hedges: each the winner's own
+    count when the origin gave one (the same prompt was sent), else the
+    estimate. `exact` is False when any part is the proxy's estimate (the
+    access log's `tokens_estimated`). A new Usage each call."""
     usage = ex.usage
     extra = ex.hedge_prompt
     if ex.counter is not None:  # ex.usage holds an earlier call's result at most
@@ -1263,9 +1269,15 @@ def spent(ex: Exchange) -> Usage | None:
             extra += ex.continuation_prompt
     if usage is None:
         return None
-    return Usage(
-        usage.prompt_tokens + extra, usage.completion_tokens, usage.exact, usage.cached_tokens
-    )
+    exact = usage.exact
+    if ex.hedge_calls and exact and not ex.continued:
+        # Billing trial 76: the losers were charged the estimate (14) where
+        # the winner's count (46) was known. A continued stream's count sums
+        # several calls' prompts: not one call's.
+        extra += usage.prompt_tokens * ex.hedge_calls - ex.hedge_prompt
+    elif extra:
+        exact = False
+    return Usage(usage.prompt_tokens + extra, usage.completion_tokens, exact, usage.cached_tokens)
 
 
 AnswerT = TypeVar("AnswerT", bound=web.StreamResponse)

@@ -611,6 +611,10 @@ class RequestTrace:
                 attrs["gen_ai.usage.cache_read.input_tokens"] = ex.usage.cached_tokens
             if self.op != EMBEDDINGS:  # an embedding has no output tokens
                 attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
+            if not ex.usage.exact and ex.usage.total:
+                # The proxy's count, in whole or in part (the access log's
+                # `tokens_estimated`; billing trial 76).
+                attrs["ponto.usage.estimated"] = True
 
 
 def _request_fields(body: dict[str, Any], attrs: dict[str, Any]) -> None:

@@ -43,6 +43,7 @@ FIELDS = {
     "region", "origin", "origin_request_id", "attempts", "route", "placement", "hedged", "cache",
     "cache_reason", "cache_kind", "cache_tier", "status", "error", "stream", "ttft_ms",
     "duration_ms", "input_tokens", "output_tokens", "cached_tokens", "trace_id", "span_id",
+    "tokens_estimated",
 }  # fmt: skip
 
 
@@ -117,6 +118,7 @@ def test_a_streamed_origin_answer_has_every_field() -> None:
     assert line["cache_tier"] is None
     assert (line["ttft_ms"], line["duration_ms"]) == (125.0, 500.0)
     assert (line["input_tokens"], line["output_tokens"], line["cached_tokens"]) == (7, 3, 4)
+    assert line["tokens_estimated"] is True  # the proxy counted it (no origin's usage)
     assert line["error"] is None
 
 
