@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from dataplane.http.state import HOLDER, METRICS
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SimConfig
 from ponto.routetable import content_etag
@@ -96,3 +96,21 @@ async def test_the_openai_client_does_not_retry_a_spent_budget(stack: Stack) -> 
         == 1
     )
     assert stack.origin_requests() == 1
+
+
+async def test_a_request_every_origin_failed_is_charged_to_no_budget(tmp_path: Path) -> None:
+    """Billing trial 76: every origin answered 500 (no work done), the client
+    got a 502 with null tokens in its access line and nothing in
+    ponto_tenant_tokens_total, and its budgets were charged 14 tokens a
+    request all the same (42 with the SDK's two retries)."""
+    s = await start_stack(tmp_path, [SimConfig(name="o1", mode="fail", fail_status=500)])
+    try:
+        with_budget(s, pb.Limits(tokens_per_day=100_000, tokens_per_month=1_000_000))
+        for _ in range(3):
+            resp = await s.post(chat("word " * 50), key=BUDGETED.key)
+            assert resp.status == 502
+            await resp.read()
+        # Only scopes with tokens charged this month are counted: none.
+        assert s.app[PIPELINE].limiter.counts() == {}
+    finally:
+        await s.close()
