@@ -59,6 +59,7 @@ async def line_of(p: Proxy, capfd: pytest.CaptureFixture[str], raw: bytes) -> di
     await until(lambda: bool(registry.get_sample_value("ponto_requests_total", labels)))
     p.app[ACCESS_LOG].flush()
     [line] = [json.loads(x) for x in capfd.readouterr().out.splitlines() if x.startswith("{")]
+    assert isinstance(line, dict)
     return line
 
 
