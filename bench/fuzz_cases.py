@@ -191,7 +191,7 @@ WRONG: dict[str, dict[str, list[object]]] = {
         **_SAMPLING,
         "max_completion_tokens": ["10", -1, 1.5, True],
         "logprobs": ["yes", 1, []],
-        "top_logprobs": [-1, (1 << 20) + 1, "3", 1.5],
+        "top_logprobs": [-2, (1 << 20) + 1, "3", 1.5],
         "tools": [
             "x",
             [1],

@@ -564,30 +564,38 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
 
 def _path_hint(request: web.Request) -> str:
     """For a 404: the proxy's path the client likely meant, when its path is
-    one of them without the /v1 prefix, with it twice, or with a trailing
-    slash (trial 51: an SDK's base_url without /v1 got a bare "Not Found");
-    else, under /v1/, that the gateway does not serve it and the API paths
-    it does serve (those without a parameter); else "". Only 404s pay for it."""
+    one of them (a parameter's too: /v1/models/{model}) without the /v1
+    prefix, with it twice, or with a trailing slash (trial 51: an SDK's
+    base_url without /v1 got a bare "Not Found"); else, under /v1/ and for
+    an endpoint none of whose paths the gateway has, that it does not serve
+    it and the API paths it does serve (those without a parameter); else "".
+    Only 404s pay for it."""
     path = request.path
     meant = path.rstrip("/")
     if meant.startswith("/v1/v1/"):
         meant = meant[3:]
     elif not meant.startswith("/v1/"):
         meant = "/v1" + meant
-    served = [
-        r.canonical
-        for r in request.app.router.resources()
-        if isinstance(r, PlainResource) and r.canonical.startswith("/v1/")
-    ]
-    if meant != path and meant in served:
-        return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
-    if path.startswith("/v1/"):
+    resources = [r for r in request.app.router.resources() if r.canonical.startswith("/v1/")]
+    if meant != path:
+        for r in resources:
+            info = r.get_info()
+            pattern = info.get("pattern")
+            if info.get("path") == meant or (pattern is not None and pattern.fullmatch(meant)):
+                return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+    endpoint = path[4:].partition("/")[0]
+    if path.startswith("/v1/") and all(
+        r.canonical[4:].partition("/")[0] != endpoint for r in resources
+    ):
         # An OpenAI endpoint the gateway does not proxy (moderations, audio,
         # images, files, batches...): a bare "Not Found" read as a typo (a
-        # new user's trial). The status stays OpenAI's for an unknown path.
+        # new user's trial). A wrong path under one it serves
+        # (/v1/responses/ID/input_item) is only not found. The status stays
+        # OpenAI's for an unknown path.
+        served = {r.canonical for r in resources if isinstance(r, PlainResource)}
         return (
             "; this gateway does not serve that endpoint (it serves "
-            + ", ".join(sorted(set(served)))
+            + ", ".join(sorted(served))
             + ")"
         )
     return ""

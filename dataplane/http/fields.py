@@ -627,7 +627,10 @@ COMPLETIONS_MAX_TOKENS = integer(0, MAX_INT)
 # them only past any model's vocabulary (the largest are about 256k tokens);
 # nothing it keeps depends on them (the cache bounds an entry's bytes).
 # (A new user's trial: a completions `logprobs` of 10, which vLLM answers, was refused.)
+# Chat's may be -1 (vLLM: every token's, with --max-logprobs -1; review 307);
+# vLLM refuses completions' -1.
 LOGPROBS = integer(0, 1 << 20)
+CHAT_TOP_LOGPROBS = integer(-1, 1 << 20)
 KEY_STRING = string(max_len=MAX_KEY_CHARS)
 SEED = integer(-_INT64, _INT64 - 1)
 STOP = either(
@@ -656,7 +659,8 @@ CHAT_PART = typed(
             {
                 # vLLM takes the URL as a plain string too (its
                 # CustomChatCompletionContentSimpleImageParam): a new user's
-                # trial had it refused. Estimated and keyed as the object form.
+                # trial had it refused. Estimated as the object form, keyed apart from it
+                # (a string and an object of one URL are two entries: no wrong hit).
                 "image_url": either(
                     string(non_empty=True),
                     obj(
@@ -1143,7 +1147,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "messages": _messages,
             "max_completion_tokens": MAX_TOKENS,
             "logprobs": boolean,
-            "top_logprobs": LOGPROBS,
+            "top_logprobs": CHAT_TOP_LOGPROBS,
             "tools": CHAT_TOOLS,
             "tool_choice": CHAT_TOOL_CHOICE,
             "parallel_tool_calls": boolean,

@@ -96,8 +96,10 @@ async def test_every_answer_carries_a_request_id(
         ("/embeddings", "/v1/embeddings"),
         ("/v1/chat/completions/", "/v1/chat/completions"),
         ("/v1/v1/responses", "/v1/responses"),
+        ("/v1/v1/models/m", "/v1/models/m"),  # a path with a parameter (review 307)
         ("/nope", None),
         ("/v1/nope", None),
+        ("/v1/responses/resp_1/input_item", None),
     ],
 )
 async def test_a_404_for_an_endpoint_without_v1_says_which_path_was_meant(
@@ -110,6 +112,8 @@ async def test_a_404_for_an_endpoint_without_v1_says_which_path_was_meant(
     assert err["message"].startswith(f"POST {path}: Not Found")
     if meant is None:
         assert "did you mean" not in err["message"]
+        # A wrong path under an endpoint it serves is not an endpoint it lacks.
+        assert ("does not serve" in err["message"]) is (path == "/v1/nope")
     else:
         assert err["message"].endswith(
             f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
@@ -175,12 +179,22 @@ async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(stack: Stac
         return await forward(ex, hedge)
 
     pipeline.forward = spy  # type: ignore[method-assign]
+    # aiohttp's own copy of the bytes read is let go once they are parsed.
+    parse = pipeline.parse
+    copies: list[bytes | None] = []
+
+    async def parse_spy(request: web.Request, ex: Exchange) -> None:
+        await parse(request, ex)
+        copies.append(request._read_bytes)
+
+    pipeline.parse = parse_spy  # type: ignore[method-assign]
     raw = json.dumps(chat("a long picture", stream=True)).encode()
     resp = await stack.post_raw(raw)
     assert resp.status == 200
     await resp.read()
     [ex] = seen
     assert ex.raw == raw[:1] + b'"stream_options":{"include_usage":true},' + raw[1:]
+    assert copies == [None]
 
 
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:

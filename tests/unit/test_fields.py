@@ -134,6 +134,8 @@ GOOD = [
     ("completions", completion(logprobs=10)),
     ("completions", completion(logprobs=1 << 20)),
     ("chat.completions", chat(logprobs=True, top_logprobs=50)),
+    # vLLM: every token's logprobs, with --max-logprobs -1 (review 307).
+    ("chat.completions", chat(logprobs=True, top_logprobs=-1)),
     ("responses", {"model": "m", "input": "hi", "top_logprobs": 50}),
     # vLLM's plain-string image URL (a new user's trial: refused invalid_type).
     ("chat.completions", chat(messages=[{"role": "user", "content": [
@@ -271,6 +273,7 @@ BAD = [
     (C, chat(logprobs=1), "logprobs", T),
     (C, chat(logprobs=True, top_logprobs=(1 << 20) + 1), "top_logprobs",
      "integer_above_max_value"),
+    (C, chat(logprobs=True, top_logprobs=-2), "top_logprobs", "integer_below_min_value"),
     (C, chat(top_logprobs=2), "top_logprobs", V),
     (C, chat(logprobs=False, top_logprobs=2), "top_logprobs", V),
     # vLLM's prefill continuation (trial 28: these reached the origin)
