@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
 from aiohttp import hdrs, web
+from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import PlainResource, _default_expect_handler
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from dataplane.auth.authenticator import Principal
     from dataplane.http.accesslog import AccessLog
     from dataplane.http.pipeline import Exchange
+    from dataplane.http.requestid import RequestIds
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -56,23 +58,114 @@ SEND_TIMEOUT = "send_timeout"  # of a 499 the edge cut: its client stopped readi
 STOPPED = "cancelled"  # of a 499 the stopping server cut (cancel_reason)
 
 
-@web.middleware
-async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`_boundary`, with the request held in ponto_requests_in_flight
-    (Metrics.in_flight) while it runs, unless it is one of the proxy's own
-    probes or scrapes (accesslog.PROBES), which would count themselves."""
-    endpoint = request.match_info.route.name or "other"
-    app = request.app  # once: a property of a property
-    m = app[METRICS]  # once too: an Application's __getitem__ is a Python call
-    if endpoint in accesslog.PROBES:
-        return await _boundary(request, handler, endpoint, app, m)
+def error_boundary(
+    m: Metrics, draining: Draining, ids: RequestIds, access: AccessLog | None = None
+) -> Middleware:
+    """The error boundary of every route of an app whose metrics, DRAINING,
+    REQUEST_IDS and (with --access-log on) ACCESS_LOG are these: one per app,
+    made with it (its state holds the same objects under those keys, for
+    whatever else reads them). Each request finds them here, not through
+    request.app and its state (a property of a property, then a Python call a
+    key: some 3,000 instructions a request).
+
+    Every failure becomes an OpenAI-style error, and every answer is counted
+    and carries `x-request-id`. The request is held in
+    ponto_requests_in_flight (Metrics.in_flight) while it runs, unless it is
+    one of the proxy's own probes or scrapes (accesslog.PROBES), which would
+    count themselves.
+
+    The request's id (the client's own when acceptable, see
+    dataplane.http.requestid; new ones from `ids`) is set in
+    request[REQUEST_ID] before the handler runs. An ApiError is answered
+    with its status and logged once in the refusal log (unless its cause was
+    logged where it happened); the caller's rate-limit headers come from the
+    request's Exchange when it has one. Anything else is a bug: logged once
+    with its traceback, answered with a generic 500 in the same shape, unless
+    the request's answer began already (a whole one sent first, send_whole;
+    a stream): then no second answer follows it (_after_answer).
+
+    A proxied request (one with an Exchange) is recorded once here in the
+    GenAI metrics, and every answer gets its access-log line here, once the
+    handler has returned: after a stream's last byte, after settlement. A
+    handler cancelled because its client left (or stopped reading, or the
+    server stopped it) is recorded the same way, as status 499
+    (`cancel_reason`), and the cancellation goes on.
+    """
     in_flight = m.in_flight.requests
-    key = id(request)
-    in_flight[key] = request
-    try:
-        return await _boundary(request, handler, endpoint, app, m)
-    finally:
-        del in_flight[key]
+
+    @web.middleware
+    async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # All in this one frame: each frame in the request's chain of awaits
+        # costs some 900 instructions a wait.
+        endpoint = request.match_info.route.name or "other"
+        counted = endpoint not in accesslog.PROBES
+        if counted:
+            key = id(request)
+            in_flight[key] = request
+        started = time.perf_counter()
+        # aiohttp's dict behind request[...] and request.get: each of those is
+        # a Python call or two (some 800 instructions), for one dict operation.
+        state = request._state
+        request_id = state[REQUEST_ID] = ids.of(request.headers.get("x-request-id"))
+        if draining.active:
+            # Any answer, streams included (they are prepared inside the handler),
+            # says `Connection: close`: the client opens its next request elsewhere.
+            request._message = request._message._replace(should_close=True)
+        failed = False
+        error = ""
+        ex: Exchange | None
+        try:
+            try:
+                response = await handler(request)
+                ex = state.get(EXCHANGE)
+                status = returned_status(ex, response)
+            except asyncio.CancelledError:
+                # The client left (production runs with handler_cancellation) or the
+                # server stopped the handler as it shut down: nobody gets an answer,
+                # but the request is still counted and logged, as nginx's 499.
+                error = cancel_reason(request)
+                if error == CLIENT_GONE:
+                    m.client_disconnects.inc()
+                ex = state.get(EXCHANGE)
+                status = CLIENT_CLOSED
+                if (ex is None or ex.answer is None) and stopping(request):
+                    # The stopping server's grace ran out before this answer began:
+                    # the client is told so (a 503 it may retry elsewhere), not cut,
+                    # and it is counted and logged as what the client got.
+                    told = _stopped_answer(request, request_id, ex)
+                    if told is not None:
+                        status, error = told.status, told.code or error
+                _record_or_log(access, m, request, request_id, endpoint, ex, status, error, started)
+                raise
+            except Exception as exc:
+                ex = state.get(EXCHANGE)
+                if (
+                    ex is not None
+                    and ex.answer is not None
+                    and not isinstance(exc, ConnectionResetError)
+                ):
+                    response, error = _after_answer(request, ex.answer)
+                else:
+                    response, error = _error_response(request, exc)
+                    failed = True
+                status = response.status
+            if draining.active:
+                # Draining began while this request ran: close after its answer too
+                # (a stream already sent its head; its connection still ends with it),
+                # or a kept-alive client would hold the drain to its deadline.
+                response.force_close()
+            if not response.prepared:  # a stream sent its headers itself
+                response.headers.setdefault("x-request-id", request_id)
+                response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
+            if failed and ex is not None:
+                _error_headers(response, ex)
+            _record_or_log(access, m, request, request_id, endpoint, ex, status, error, started)
+            return response
+        finally:
+            if counted:
+                del in_flight[key]
+
+    return errors_and_metrics
 
 
 def stream_open(request: web.BaseRequest) -> bool:
@@ -99,82 +192,6 @@ def chunk_gap(ex: Exchange, finished: float, error: str) -> float | None:
     if chunks < 2:
         return None
     return max(0.0, finished - first) / (chunks - 1)
-
-
-async def _boundary(
-    request: web.Request, handler: Handler, endpoint: str, app: web.Application, m: Metrics
-) -> web.StreamResponse:
-    """The error boundary: every failure becomes an OpenAI-style error, and every
-    answer is counted and carries `x-request-id`.
-
-    The request's id (the client's own when acceptable, see
-    dataplane.http.requestid; new ones from the app's REQUEST_IDS) is set in
-    request[REQUEST_ID] before the handler runs. An ApiError is answered
-    with its status and logged once in the refusal log (unless its cause was
-    logged where it happened); the caller's rate-limit headers come from the
-    request's Exchange when it has one. Anything else is a bug: logged once
-    with its traceback, answered with a generic 500 in the same shape, unless
-    the request's answer began already (a whole one sent first, send_whole;
-    a stream): then no second answer follows it (_after_answer).
-
-    A proxied request (one with an Exchange) is recorded once here in the
-    GenAI metrics, and every answer gets its access-log line here, once the
-    handler has returned: after a stream's last byte, after settlement. A
-    handler cancelled because its client left (or stopped reading, or the
-    server stopped it) is recorded the same way, as status 499 (`cancel_reason`), and the
-    cancellation goes on.
-    """
-    started = time.perf_counter()
-    draining = app[DRAINING]
-    request_id = request[REQUEST_ID] = app[REQUEST_IDS].of(request.headers.get("x-request-id"))
-    if draining.active:
-        # Any answer, streams included (they are prepared inside the handler),
-        # says `Connection: close`: the client opens its next request elsewhere.
-        request._message = request._message._replace(should_close=True)
-    failed = False
-    error = ""
-    try:
-        response = await handler(request)
-        ex = request.get(EXCHANGE)
-        status = returned_status(ex, response)
-    except asyncio.CancelledError:
-        # The client left (production runs with handler_cancellation) or the
-        # server stopped the handler as it shut down: nobody gets an answer,
-        # but the request is still counted and logged, as nginx's 499.
-        error = cancel_reason(request)
-        if error == CLIENT_GONE:
-            m.client_disconnects.inc()
-        ex = request.get(EXCHANGE)
-        status = CLIENT_CLOSED
-        if (ex is None or ex.answer is None) and stopping(request):
-            # The stopping server's grace ran out before this answer began:
-            # the client is told so (a 503 it may retry elsewhere), not cut,
-            # and it is counted and logged as what the client got.
-            told = _stopped_answer(request, request_id, ex)
-            if told is not None:
-                status, error = told.status, told.code or error
-        _record_or_log(app, m, request, request_id, endpoint, ex, status, error, started)
-        raise
-    except Exception as exc:
-        ex = request.get(EXCHANGE)
-        if ex is not None and ex.answer is not None and not isinstance(exc, ConnectionResetError):
-            response, error = _after_answer(request, ex.answer)
-        else:
-            response, error = _error_response(request, exc)
-            failed = True
-        status = response.status
-    if draining.active:
-        # Draining began while this request ran: close after its answer too
-        # (a stream already sent its head; its connection still ends with it),
-        # or a kept-alive client would hold the drain to its deadline.
-        response.force_close()
-    if not response.prepared:  # a stream sent its headers itself
-        response.headers.setdefault("x-request-id", request_id)
-        response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
-    if failed and ex is not None:
-        _error_headers(response, ex)
-    _record_or_log(app, m, request, request_id, endpoint, ex, status, error, started)
-    return response
 
 
 def _error_headers(response: web.StreamResponse, ex: Exchange) -> None:
@@ -204,7 +221,7 @@ def _stopped_answer(request: web.Request, request_id: str, ex: Exchange | None) 
 
 
 def _record_or_log(
-    app: web.Application,
+    access: AccessLog | None,
     m: Metrics,
     request: web.Request,
     request_id: str,
@@ -218,9 +235,9 @@ def _record_or_log(
     answer stands (it may be out already) and a cancellation goes on. Logged
     once, with its traceback."""
     try:
-        _record(app, m, request, request_id, endpoint, ex, status, error, started)
+        _record(access, m, request, request_id, endpoint, ex, status, error, started)
     except Exception:
-        app.logger.exception("unhandled error recording %s", _what(request))
+        request.app.logger.exception("unhandled error recording %s", _what(request))
 
 
 async def send_whole(request: web.Request, response: web.Response) -> bool:
@@ -367,7 +384,7 @@ def excused_here(ex: Exchange, status: int, error: str) -> bool:
 
 
 def _record(
-    app: web.Application,
+    access: AccessLog | None,
     m: Metrics,
     request: web.BaseRequest,
     request_id: str,
@@ -382,7 +399,8 @@ def _record(
     """Count the answer (ponto_requests_total, the GenAI metrics of a proxied
     request) and give it its access-log line. Once per request. `unparsed`:
     a message the HTTP parser refused, whose request is aiohttp's stand-in.
-    `m`: app[METRICS], which the caller has read."""
+    `m` and `access`: the app's METRICS and ACCESS_LOG (None when off), which
+    the caller has."""
     if not error and ex is not None:
         error = ex.stream_error
     logged = error
@@ -416,7 +434,6 @@ def _record(
             refused=bool(error) and refused_here(ex, status, error),
             excused=bool(error) and excused_here(ex, status, error),
         )
-    access = app.get(ACCESS_LOG)
     if access is not None and access.sampled(logged, endpoint):
         _access_line(
             access,
@@ -658,7 +675,15 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     name = request.match_info.route.name or "other"
     app = request.app
     _record(
-        app, app[METRICS], request, request_id, name, None, error.status, error.code or "", started
+        app.get(ACCESS_LOG),
+        app[METRICS],
+        request,
+        request_id,
+        name,
+        None,
+        error.status,
+        error.code or "",
+        started,
     )
     response = error.response()
     if error.status == 413 and not request.content.total_bytes:
@@ -679,7 +704,7 @@ def record_unparsed(
     logs it) and give it its access-log line: endpoint `other`, method
     `UNKNOWN`, no path (the parser gave neither) and no tenant."""
     _record(
-        app,
+        app.get(ACCESS_LOG),
         app[METRICS],
         request,
         request_id,

@@ -32,7 +32,7 @@ from dataplane.http.boundary import (
     CLIENT_CLOSED,
     CLIENT_GONE,
     cancel_reason,
-    errors_and_metrics,
+    error_boundary,
     expect_continue,
     record_unparsed,
     returned_status,
@@ -350,8 +350,9 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
     """The proxy app. Builds and wires only; see the module docstring. With
     `tracer`, every proxied request is traced (dataplane.telemetry)."""
     proxy = Proxy(settings, tracer)
+    ids = RequestIds()
     app = web.Application(
-        middlewares=[errors_and_metrics],
+        middlewares=[error_boundary(proxy.metrics, proxy.draining, ids, proxy.access_log)],
         client_max_size=settings.max_body_bytes,
     )
     app[METRICS] = proxy.metrics
@@ -359,7 +360,7 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
     app[QUOTA] = proxy.quota
     app[DRAINING] = proxy.draining
     app[CLIENT] = proxy.client
-    app[REQUEST_IDS] = RequestIds()
+    app[REQUEST_IDS] = ids
     if proxy.access_log is not None:
         app[ACCESS_LOG] = proxy.access_log
 
@@ -417,7 +418,9 @@ def build_metrics_app(app: web.Application) -> web.Application:
     there it got the cap's 503 for up to 31 s, and a kubelet would have
     restarted a full but healthy proxy).
     """
-    metrics_app = web.Application(middlewares=[errors_and_metrics])
+    # No access log: its lines are the public port's.
+    boundary = error_boundary(app[METRICS], app[DRAINING], app[REQUEST_IDS])
+    metrics_app = web.Application(middlewares=[boundary])
     metrics_app[METRICS] = app[METRICS]
     metrics_app[DRAINING] = app[DRAINING]
     metrics_app[REQUEST_IDS] = app[REQUEST_IDS]

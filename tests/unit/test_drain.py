@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dataplane.http.boundary import errors_and_metrics, send_whole
+from dataplane.http.boundary import error_boundary, send_whole
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
@@ -33,10 +33,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 def app() -> web.Application:
-    a = web.Application(middlewares=[errors_and_metrics])
-    a[METRICS] = Metrics()
-    a[DRAINING] = Draining()
-    a[REQUEST_IDS] = RequestIds()
+    m, draining, ids = Metrics(), Draining(), RequestIds()
+    a = web.Application(middlewares=[error_boundary(m, draining, ids)])
+    a[METRICS] = m
+    a[DRAINING] = draining
+    a[REQUEST_IDS] = ids
     a.router.add_get("/plain", plain, name="plain")
     a.router.add_get("/stream", stream, name="stream")
     return a

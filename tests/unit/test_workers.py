@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane import supervisor, workers
-from dataplane.http.boundary import errors_and_metrics
+from dataplane.http.boundary import error_boundary
 from dataplane.http.endpoints import metrics
 from dataplane.http.errors import ApiError
 from dataplane.http.requestid import RequestIds
@@ -885,11 +885,12 @@ def worker_app(w: Worker, run_dir: Path, count: int) -> web.Application:
             raise ApiError(503, "no route table yet", type="server_error", code="no_route_table")
         return web.json_response({"status": "ready"})
 
-    app = web.Application(middlewares=[errors_and_metrics])
+    draining, ids = Draining(), RequestIds()
+    app = web.Application(middlewares=[error_boundary(w.metrics, draining, ids)])
     app.middlewares.append(workers.group_views(WorkerSlot(w.index, run_dir, -1), count))
     app[METRICS] = w.metrics
-    app[DRAINING] = Draining()
-    app[REQUEST_IDS] = RequestIds()
+    app[DRAINING] = draining
+    app[REQUEST_IDS] = ids
     app.router.add_get("/readyz", readyz, name="readyz")
     app.router.add_get("/metrics", metrics, name="metrics")
     return app
