@@ -447,6 +447,8 @@ class EdgeCache:
             flight = self._join(key, include_usage, req.stream)
             if isinstance(flight, Follower):
                 return _following(flight, key, include_usage, context, text, neighbour)
+            if self.region is None:  # _lead's plan, without its coroutine
+                return self._fill(req, key, flight, context, text, include_usage, neighbour, miss)
             return await self._lead(req, key, flight, include_usage, context, text, neighbour, miss)
         if cc.only_if_cached:  # no-cache (or max-age=0) with only-if-cached
             return self._not_cached()
@@ -625,7 +627,8 @@ class EdgeCache:
         self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None
     ) -> None:
         """Keep a non-streamed answer's entry (`whole_entry`'s) and tell the flight."""
-        await self._keep(req, plan, entry)
+        if entry is not None:  # else _keep keeps nothing: no coroutine for it
+            await self._keep(req, plan, entry)
         if plan.leader is not None:
             plan.leader.finish(entry)
         if plan.region_lock is not None:
