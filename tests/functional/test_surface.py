@@ -20,6 +20,7 @@ import yarl
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+import dataplane.http.pipeline as pipeline_module
 from dataplane.http.errors import (
     UPSTREAM_BUSY,
     UPSTREAM_FAILED,
@@ -165,7 +166,9 @@ async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_i
     assert stack.origin_requests() == 2
 
 
-async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(stack: Stack) -> None:
+async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The client's bytes are let go once the proxy has made the origin's
     # (here, with the usage member inserted): a new user's trial measured 3
     # copies of a 7.5 MB image body a stream (its bytes, the parsed string,
@@ -179,22 +182,22 @@ async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(stack: Stac
         return await forward(ex, hedge)
 
     pipeline.forward = spy  # type: ignore[method-assign]
-    # aiohttp's own copy of the bytes read is let go once they are parsed.
-    parse = pipeline.parse
-    copies: list[bytes | None] = []
+    # aiohttp's own copy of the bytes read is let go once they are read.
+    requests: list[web.Request] = []
+    read_now = pipeline_module.read_body_now
 
-    async def parse_spy(request: web.Request, ex: Exchange) -> None:
-        await parse(request, ex)
-        copies.append(request._read_bytes)
+    def read_spy(request: web.Request, limit: int) -> bytes | None:
+        requests.append(request)
+        return read_now(request, limit)
 
-    pipeline.parse = parse_spy  # type: ignore[method-assign]
+    monkeypatch.setattr(pipeline_module, "read_body_now", read_spy)
     raw = json.dumps(chat("a long picture", stream=True)).encode()
     resp = await stack.post_raw(raw)
     assert resp.status == 200
     await resp.read()
     [ex] = seen
     assert ex.raw == raw[:1] + b'"stream_options":{"include_usage":true},' + raw[1:]
-    assert copies == [None]
+    assert [request._read_bytes for request in requests] == [None]
 
 
 async def test_a_clients_own_short_printable_id_is_kept_and_sent_on(stack: Stack) -> None:
