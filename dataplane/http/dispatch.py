@@ -17,6 +17,12 @@ handler answers it), and every request of an application with
 sub-applications or old-style middlewares, which this does not flatten. A
 path is looked up as sent (`rel_url.raw_path`, without the query): one the
 router would match only after decoding falls back too.
+
+A route's handler may come with a plain function (`with_direct`) that
+returns the same awaitable as the handler's call, for the handler's usual
+case: FixedRoutes calls that one instead, so that the request's chain of
+awaits has no frame of the handler's own (aiohttp's router takes only
+coroutine functions).
 """
 
 from __future__ import annotations
@@ -27,9 +33,20 @@ from functools import partial
 from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import PlainResource, UrlMappingMatchInfo
 
-__all__ = ["FixedRoutes"]
+__all__ = ["FixedRoutes", "with_direct"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The attribute of a route's handler that holds its plain function.
+_DIRECT = "direct"
+
+
+def with_direct(handler: Handler, direct: Handler) -> Handler:
+    """`handler`, carrying `direct`: a plain function of the same request that
+    returns what `handler(request)` would (the awaitable of its usual case's
+    last step, or `handler(request)` itself), for FixedRoutes."""
+    setattr(handler, _DIRECT, direct)
+    return handler
 
 
 class FixedRoutes:
@@ -53,7 +70,7 @@ class FixedRoutes:
                 info = UrlMappingMatchInfo({}, route)
                 info.add_app(app)
                 info.freeze()
-                handler: Handler = route.handler
+                handler: Handler = getattr(route.handler, _DIRECT, route.handler)
                 for middleware in reversed(app.middlewares):
                     handler = partial(middleware, handler=handler)
                 # The first of two routes for one (method, path) wins, as in the router.

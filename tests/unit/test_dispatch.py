@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from dataplane.http.dispatch import FixedRoutes
+from dataplane.http.dispatch import FixedRoutes, with_direct
 
 Seen = list[tuple[str, str]]
 
@@ -94,3 +94,33 @@ async def test_an_app_with_sub_applications_is_left_to_the_router() -> None:
     parent.add_subapp("/sub", sub)
     parent.freeze()
     assert len(FixedRoutes(parent, fallback_into([]))) == 0
+
+
+async def test_a_handler_with_a_direct_function_is_called_through_it() -> None:
+    """FixedRoutes calls a route's `direct` function (with_direct) in its
+    handler's place, through the middlewares; aiohttp's router still calls
+    the handler."""
+    seen: Seen = []
+
+    @web.middleware
+    async def boundary(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        seen.append(("middleware", request.match_info.route.name or ""))
+        return await handler(request)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.append(("handler", request.method))
+        return web.Response(text="handler")
+
+    def direct(request: web.Request) -> Awaitable[web.StreamResponse]:
+        seen.append(("direct", request.method))
+        return handle(request)
+
+    app = web.Application(middlewares=[boundary])
+    app.router.add_post("/v1/chat/completions", with_direct(handle, direct), name="chat")
+    app.freeze()
+    fixed = FixedRoutes(app, fallback_into(seen))
+    response = await fixed(make_mocked_request("POST", "/v1/chat/completions", app=app))
+    assert isinstance(response, web.Response) and response.text == "handler"
+    assert seen == [("middleware", "chat"), ("direct", "POST"), ("handler", "POST")]
