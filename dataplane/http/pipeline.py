@@ -484,9 +484,9 @@ class Pipeline:
         routes, policy = holder.routes, holder.policy
         if routes is None or policy is None:
             raise no_route_table()
-        return Exchange(
-            endpoint, request.headers, request.remote, request[REQUEST_ID], routes, policy
-        )
+        # The request's own dict: request[...] is a Python call.
+        request_id = request._state[REQUEST_ID]
+        return Exchange(endpoint, request.headers, request.remote, request_id, routes, policy)
 
     def authenticate(self, ex: Exchange) -> None:
         try:

@@ -1348,7 +1348,10 @@ class Forwarder:
                                 # The rest of the stream: its relay times its idle gaps.
                                 resp.time_reads(self._settings.read_timeout)
                         else:
-                            body_read = await resp.read(self._settings.max_answer_bytes)
+                            most = self._settings.max_answer_bytes
+                            body_read = resp.read_now(most)
+                            if body_read is None:
+                                body_read = await resp.read(most)
                     except TimeoutError as exc:
                         if not streamed or first_within is None:
                             raise _Retryable(
