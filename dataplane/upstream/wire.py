@@ -449,12 +449,54 @@ class _Pool:
         return False
 
 
+def request_head(endpoint: _Endpoint, line: str, headers: CIMultiDict[str], length: int) -> bytes:
+    """The head of a call of `line` to `endpoint` with `headers` and a body of
+    `length` bytes: `headers`, then Host, Content-Length and the
+    DEFAULT_HEADERS they lack, in that order (the endpoint's basic auth
+    before them, when it has one and `headers` no Authorization).
+
+    The usual head (no Host nor Content-Length in `headers`, no basic auth
+    to add) has those lines written as bytes after aiohttp's serialisation of
+    `headers`, not set in `headers` first: the same bytes, without five
+    multidict writes and their serialisation (some 1,300 instructions a
+    header serialised: callgrind). `headers` is left as it came. Any other head has them set in
+    `headers` (a copy, for the basic auth) as before: the bytes are the same,
+    as a header set again keeps its place."""
+    authorization = endpoint.authorization
+    if (
+        hdrs.HOST not in headers
+        and hdrs.CONTENT_LENGTH not in headers
+        and (authorization is None or hdrs.AUTHORIZATION in headers)
+    ):
+        tail = [endpoint.host_line, b"Content-Length: ", str(length).encode(), b"\r\n"]
+        for name, header_line in _DEFAULT_LINES:
+            if name not in headers:
+                tail.append(header_line)
+        tail.append(b"\r\n")
+        return _serialize_headers(line, headers)[:-2] + b"".join(tail)
+    if authorization is not None and hdrs.AUTHORIZATION not in headers:
+        # This origin's own: not left in a dict the next attempt reuses.
+        headers = headers.copy()
+        headers[hdrs.AUTHORIZATION] = authorization
+    headers[hdrs.HOST] = endpoint.host
+    headers[hdrs.CONTENT_LENGTH] = str(length)
+    for name, value in DEFAULT_HEADERS:
+        headers.setdefault(name, value)
+    return _serialize_headers(line, headers)
+
+
+# DEFAULT_HEADERS as the lines `request_head` writes.
+_DEFAULT_LINES: Final = tuple(
+    (name, f"{name}: {value}\r\n".encode()) for name, value in DEFAULT_HEADERS
+)
+
+
 class _Endpoint:
     """An origin URL as the wire calls it: what opens its connections (a
     ClientRequest, the connector's key), its pool, and the request line and
     Host header, built once."""
 
-    __slots__ = ("authorization", "host", "key", "line", "pool")
+    __slots__ = ("authorization", "host", "host_line", "key", "line", "pool")
 
     def __init__(
         self, url: URL, loop: asyncio.AbstractEventLoop, ssl_context: ssl.SSLContext | None = None
@@ -470,6 +512,7 @@ class _Endpoint:
         self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
         if ":" in url.raw_host and not url.raw_host.startswith("["):
             self.host = f"[{url.raw_host}]" + ("" if default_port else f":{url.port}")
+        self.host_line = f"{hdrs.HOST}: {self.host}\r\n".encode()
         # Credentials written into the URL are sent as basic auth, as a
         # ClientSession sends them, unless the call carries its own.
         self.authorization = (
@@ -791,15 +834,7 @@ class OriginWire:
             if transport is None:
                 raise aiohttp.ServerDisconnectedError()
             head = conn.expect(self._read_timeout if read_timeout is None else read_timeout)
-            if endpoint.authorization is not None and hdrs.AUTHORIZATION not in headers:
-                # This origin's own: not left in a dict the next attempt reuses.
-                headers = headers.copy()
-                headers[hdrs.AUTHORIZATION] = endpoint.authorization
-            headers[hdrs.HOST] = endpoint.host
-            headers[hdrs.CONTENT_LENGTH] = str(len(body))
-            for name, value in DEFAULT_HEADERS:
-                headers.setdefault(name, value)
-            transport.writelines((_serialize_headers(line, headers), body))
+            transport.writelines((request_head(endpoint, line, headers, len(body)), body))
             # The read timeout runs from here: the request handed to the socket
             # (a large body may still be leaving; aiohttp's session started it
             # once the body was written).

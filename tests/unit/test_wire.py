@@ -1514,3 +1514,32 @@ async def test_beyond_max_endpoints_the_cache_starts_over(
     assert list(wire._endpoints) == [c]
     assert wire._endpoint(a) is not first_a  # forgotten, built again
     assert list(wire._endpoints) == [c, a]
+
+
+async def test_a_request_head_is_its_headers_then_host_length_and_the_defaults_they_lack() -> None:
+    """request_head's bytes: the call's headers in their order, then Host,
+    Content-Length and the DEFAULT_HEADERS the call lacks; the endpoint's
+    basic auth before them, unless the call has its own Authorization. The
+    call's headers are left as they came."""
+    loop = asyncio.get_running_loop()
+    endpoint = wire_module._Endpoint(URL("http://127.0.0.1:8080/v1/chat/completions"), loop)
+    headers = CIMultiDict({"content-type": "application/json", "accept": "text/x"})
+    head = wire_module.request_head(endpoint, endpoint.line, headers, 12)
+    assert head == (
+        b"POST /v1/chat/completions HTTP/1.1\r\n"
+        b"content-type: application/json\r\naccept: text/x\r\n"
+        b"Host: 127.0.0.1:8080\r\nContent-Length: 12\r\n"
+        b"Accept-Encoding: gzip, deflate\r\n"
+        b"User-Agent: " + wire_module.USER_AGENT.encode() + b"\r\n\r\n"
+    )
+    assert list(headers) == ["content-type", "accept"]
+    # A second attempt with the same headers: the same head.
+    assert wire_module.request_head(endpoint, endpoint.line, headers, 12) == head
+
+    with_auth = wire_module._Endpoint(URL("http://u:p@127.0.0.1:8080/v1/x"), loop)
+    head = wire_module.request_head(with_auth, with_auth.line, CIMultiDict(), 0)
+    assert head.startswith(
+        b"POST /v1/x HTTP/1.1\r\nAuthorization: "
+        + aiohttp.encode_basic_auth("u", "p").encode()
+        + b"\r\nHost: 127.0.0.1:8080\r\nContent-Length: 0\r\nAccept: */*\r\n"
+    )
