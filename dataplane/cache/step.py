@@ -626,9 +626,17 @@ class EdgeCache:
     async def settle_body(
         self, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None
     ) -> None:
-        """Keep a non-streamed answer's entry (`whole_entry`'s) and tell the flight."""
+        """Keep a non-streamed answer's entry (`whole_entry`'s) and tell the
+        flight (`finish_flight`). Without an entry there is nothing to keep:
+        the caller may call `finish_flight` alone, without this coroutine."""
         if entry is not None:  # else _keep keeps nothing: no coroutine for it
             await self._keep(req, plan, entry)
+        self.finish_flight(plan, entry)
+
+    @staticmethod
+    def finish_flight(plan: CachePlan, entry: CachedResponse | None) -> None:
+        """Tell the flight `plan` leads, here and in the region, that its
+        non-streamed answer is in (`entry`; None: none to share)."""
         if plan.leader is not None:
             plan.leader.finish(entry)
         if plan.region_lock is not None:

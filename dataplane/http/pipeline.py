@@ -923,7 +923,10 @@ class Pipeline:
             ex.usage = Usage(0, 0)
         if not parsed:
             entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
-        await self.cache.settle_body(ex.cache_request, plan, entry)
+        if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
+            self.cache.finish_flight(plan, None)
+        else:
+            await self.cache.settle_body(ex.cache_request, plan, entry)
         return response
 
     async def lead(
