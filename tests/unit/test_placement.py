@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -487,3 +488,17 @@ def test_no_origin_passed_over_takes_the_last_attempt_nor_the_hedges() -> None:
     assert names(attempt_order([*home, *away], 3, everyone)) == ["h0", "h1", "h2"]
     assert names(attempt_order([*home, *away], 2, hedged=True)) == ["h0", "h1"]
     assert names(attempt_order([*home, *away], 3, hedged=True)) == ["h0", "h1", "a0"]
+
+
+def test_a_conversation_key_is_the_crc_of_its_tenant_start_and_question() -> None:
+    """The value every proxy of a region must compute alike: CRC-32 of
+    "<tenant>\\0c\\0<length of the start>\\0", then of the start, then of the
+    first question; with a system prompt and without one."""
+    question = {"role": "user", "content": "where is my order?"}
+    plain = placement_key("chat.completions", {"messages": [question]}, {}, "acme")
+    crc = zlib.crc32(b"acme\x00c\x000\x00")  # length 0
+    assert plain == Key(zlib.crc32(b"where is my order?", crc), "affinity", "conversation")
+    body = {"messages": [{"role": "system", "content": "be brief"}, question]}
+    crc = zlib.crc32(b"be brief", zlib.crc32(b"acme\x00c\x009\x00"))
+    expected = Key(zlib.crc32(b"where is my order?", crc), "affinity", "conversation")
+    assert placement_key("chat.completions", body, {}, "acme") == expected
