@@ -1830,24 +1830,51 @@ def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     be written, and the client's connection was reset)."""
     hop = _connection_options(resp.headers)
     out: CIMultiDict[str] = CIMultiDict()
+    passed = _PASSED
     for name, value in resp.headers.items():
-        lower = name.lower()
-        if (
-            lower not in DROP_RESPONSE_HEADERS
-            and not lower.startswith(DROP_RESPONSE_PREFIXES)
-            and lower not in hop
-            and value.isprintable()
-        ):
+        # By its name as sent, looked up once: an origin sends the same few.
+        kept = passed.get(name)
+        if kept is None:
+            kept = _passed(name)
+        if kept and value.isprintable() and (not hop or name.lower() not in hop):
             out.add(name, value)
     return out
 
 
+# Header names as origins send them -> whether `_copy` passes them on, but for
+# those a Connection header names; bounded (a name may be any string).
+_PASSED: dict[str, bool] = {}
+_PASSED_MAX: Final = 1024
+
+
+def _passed(name: str) -> bool:
+    """Whether an origin's header `name` goes to clients (unless its
+    Connection header names it): not one of DROP_RESPONSE_HEADERS nor of
+    DROP_RESPONSE_PREFIXES. Remembered in _PASSED while it has room."""
+    lower = name.lower()
+    kept = lower not in DROP_RESPONSE_HEADERS and not lower.startswith(DROP_RESPONSE_PREFIXES)
+    if len(_PASSED) < _PASSED_MAX:
+        _PASSED[name] = kept
+    return kept
+
+
+# The options of the Connection headers most answers have, without splitting
+# them; each is dropped anyway (DROP_RESPONSE_HEADERS).
+_USUAL_OPTIONS: Final = {
+    "keep-alive": frozenset({"keep-alive"}),
+    "close": frozenset({"close"}),
+}
+
+
 def _connection_options(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     """The header names a message's Connection headers list, lowercased."""
-    if "connection" not in headers:
+    values = headers.getall("connection", ())
+    if not values:
         return frozenset()
+    if len(values) == 1 and (known := _USUAL_OPTIONS.get(values[0])) is not None:
+        return known
     options: set[str] = set()
-    for value in headers.getall("connection"):  # loops: nginx says keep-alive on every answer
+    for value in values:  # loops: nginx says keep-alive on every answer
         for option in value.split(","):
             if option := option.strip():
                 options.add(option.lower())
