@@ -35,9 +35,10 @@ moving between rounds (docs/rate-limits.md, "Day and month budgets").
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,30 @@ class Ledger:
     # process gone silent, the ledger's day when they were): dropped with the
     # month, or FOLDED_DAYS after.
     folded: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # The closed periods, kept until the next turn: "<proxy>@<epoch>/<day>"
+    # -> each process's last report of a day from the one before `day` on,
+    # but its current one (in `seen`); and each process's last report of the
+    # month before `day`'s (with what was folded of that month). Reports of a
+    # closed period that come after the turn (a proxy's final counts of it:
+    # ScopeDemand.closed) are counted here, so its total is whole
+    # (`closed_used`).
+    last_day: dict[str, Spent] = field(default_factory=dict)
+    last_month: dict[str, Spent] = field(default_factory=dict)
+    last_month_gone: float = 0.0
+
+    def closed_used(self) -> tuple[int, float, int, float]:
+        """The day before `day` and its tokens, the month (YYYYMM) before
+        `day`'s and its tokens: what billing reads of a closed period (final
+        once the proxies' reports of it are in, ten minutes after its end)."""
+        yesterday = _day_before(self.day, 1)
+        rows = {k: s for k, s in self.last_day.items() if s.day == yesterday}
+        rows.update((f"{k}/{s.day}", s) for k, s in self.seen.items() if s.day == yesterday)
+        day_tokens = math.fsum(s.day_tokens for s in rows.values())
+        month = month_before(self.day // 100)
+        month_tokens = self.last_month_gone + math.fsum(
+            s.month_tokens for s in self.last_month.values() if s.day // 100 == month
+        )
+        return yesterday, day_tokens, month, month_tokens
 
     def used(self) -> tuple[float, float]:
         """Tokens the fleet spent in the day and in the month."""
@@ -89,6 +114,9 @@ class Ledger:
                 # a list made them refuse the whole ledger), and the days beside.
                 "folded": {k: count for k, (count, _) in sorted(self.folded.items())},
                 "folded_on": {k: day for k, (_, day) in sorted(self.folded.items())},
+                "last_day": _rows(self.last_day),
+                "last_month": _rows(self.last_month),
+                "last_month_gone": self.last_month_gone,
             }
         )
 
@@ -104,6 +132,22 @@ class Ledger:
         return out
 
 
+def _rows(rows: Mapping[str, Spent]) -> dict[str, list[float]]:
+    return {k: [s.epoch, s.day, s.day_tokens, s.month_tokens] for k, s in sorted(rows.items())}
+
+
+def _read_rows(rows: Any) -> dict[str, Spent]:
+    return {
+        str(k): Spent(float(v[0]), _date(v[1]), _count(v[2]), _count(v[3]))
+        for k, v in ({} if rows is None else rows).items()
+    }
+
+
+def month_before(month: int) -> int:
+    """YYYYMM of the month before `month` (YYYYMM)."""
+    return month - 1 if month % 100 > 1 else (month // 100 - 1) * 100 + 12
+
+
 def _process_key(proxy: str, spent: Spent) -> str:
     """A process's key in a ledger: "<proxy>@<epoch>" (Ledger.newest splits it)."""
     return f"{proxy}@{spent.epoch!r}"
@@ -116,10 +160,7 @@ def decode_ledger(raw: bytes) -> Ledger:
     try:
         data: Any = orjson.loads(raw)
         day = _date(data["day"])
-        seen = {
-            str(k): Spent(float(v[0]), _date(v[1]), _count(v[2]), _count(v[3]))
-            for k, v in data.get("seen", {}).items()
-        }
+        seen = _read_rows(data.get("seen"))
         folded_on = data.get("folded_on") or {}
         folded = {
             # [count, day]: as one build (60b5571) wrote them.
@@ -128,7 +169,15 @@ def decode_ledger(raw: bytes) -> Ledger:
             else (_count(v), _date(folded_on.get(k, day)))
             for k, v in (data.get("folded") or {}).items()
         }
-        return Ledger(day, _count(data.get("month_gone", 0.0)), seen, folded)
+        return Ledger(
+            day,
+            _count(data.get("month_gone", 0.0)),
+            seen,
+            folded,
+            _read_rows(data.get("last_day")),
+            _read_rows(data.get("last_month")),
+            _count(data.get("last_month_gone", 0.0)),
+        )
     except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
         raise ValueError(f"not a budget ledger: {exc!r}") from exc
 
@@ -146,7 +195,12 @@ def _count(value: Any) -> float:
     return number if math.isfinite(number) and number > 0 else 0.0
 
 
-def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> Ledger:
+def account(
+    ledger: Ledger | None,
+    reports: Mapping[str, Spent],
+    today: int,
+    closed: Mapping[str, Sequence[Spent]] | None = None,
+) -> Ledger:
     """The ledger after this round's `reports` (proxy name -> its process's
     counts), on UTC day `today` (the leader's clock; a ledger already in a
     later month, a former leader's whose clock ran ahead, keeps its day: going
@@ -159,25 +213,47 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
     that reports again is taken out of it first, and folded keys go
     FOLDED_DAYS after. A report of an earlier day than the ledger holds of
     its process, and no more in the month, is late, and left out. `ledger`
-    is not changed: a new one is returned."""
+    is not changed: a new one is returned.
+
+    `closed`: each proxy's other counts (Demand.closed: its process's final
+    ones of a day or month that turned, a reload's old worker's), each taken
+    as that process's report of its day, before `reports`. Those of the day
+    (month) before the ledger's are kept apart (Ledger.last_day,
+    last_month), so that a closed period's total is whole; a month that
+    turns keeps the closed month's rows and folded total there."""
     before = ledger or Ledger(today)
     day = today if today // 100 >= before.day // 100 else before.day
     month = day // 100
+    yesterday = _day_before(day, 1)
+    last_day = {k: s for k, s in before.last_day.items() if s.day >= yesterday}
+    last_day.update((f"{k}/{s.day}", s) for k, s in before.seen.items() if s.day >= yesterday)
     if month != before.day // 100:
         seen: dict[str, Spent] = {}
         folded: dict[str, tuple[float, int]] = {}
         gone = 0.0
+        adjacent = before.day // 100 == month_before(month)
+        last_month = dict(before.seen) if adjacent else {}
+        last_gone = before.month_gone if adjacent else 0.0
     else:
         seen = dict(before.seen)
         folded = dict(before.folded)
         gone = before.month_gone
-    for proxy, spent in reports.items():
-        if spent.day // 100 != month or not _sane(spent):
+        last_month = dict(before.last_month)
+        last_gone = before.last_month_gone
+    rows = [(p, s) for p, more in (closed or {}).items() for s in more]
+    rows += reports.items()
+    for proxy, spent in rows:
+        if not _sane(spent):
             continue
         key = _process_key(proxy, spent)
-        held = seen.get(key)
-        if held is not None and held.day > spent.day and held.month_tokens >= spent.month_tokens:
-            continue  # late (a clock stepped back would count on)
+        if spent.day >= yesterday:
+            last_day[f"{key}/{spent.day}"] = spent  # its last report of that day
+        if spent.day // 100 != month:
+            if spent.day // 100 == month_before(month) and not _late(last_month.get(key), spent):
+                last_month[key] = spent
+            continue
+        if _late(seen.get(key), spent):
+            continue  # a clock stepped back would count on
         if key in folded:
             gone -= folded.pop(key)[0]
         seen[key] = spent
@@ -191,7 +267,16 @@ def account(ledger: Ledger | None, reports: Mapping[str, Spent], today: int) -> 
             del seen[key]
     forgotten = _day_before(day, FOLDED_DAYS)
     folded = {key: kept for key, kept in folded.items() if kept[1] > forgotten}
-    return Ledger(day, max(0.0, gone), seen, folded)
+    # A process's current row is not kept twice; one a later day's report
+    # displaced stays, for its day's total.
+    last_day = {k: s for k, s in last_day.items() if seen.get(k.rpartition("/")[0]) != s}
+    return Ledger(day, max(0.0, gone), seen, folded, last_day, last_month, last_gone)
+
+
+def _late(held: Spent | None, spent: Spent) -> bool:
+    """Whether `spent` is a report of an earlier day than `held` (of the
+    same process) and no more in the month: late, left out."""
+    return held is not None and held.day > spent.day and held.month_tokens >= spent.month_tokens
 
 
 def fitted(ledger: Ledger, max_bytes: int) -> Ledger:
@@ -207,7 +292,7 @@ def fitted(ledger: Ledger, max_bytes: int) -> Ledger:
     folds = sorted(ledger.folded.items(), key=lambda kv: (kv[1][1], kv[0]))
 
     def keeping(kept: int) -> Ledger:
-        return Ledger(ledger.day, ledger.month_gone, ledger.seen, dict(folds[len(folds) - kept :]))
+        return dataclasses.replace(ledger, folded=dict(folds[len(folds) - kept :]))
 
     # Rows alone too large (each round, while so): one encoding, not a search.
     bare = keeping(0)

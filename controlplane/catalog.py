@@ -42,7 +42,7 @@ import orjson
 
 from controlplane import apply as topology
 from controlplane.beats import ReplicaBeats
-from controlplane.budget import LEDGER_PREFIX, decode_ledger
+from controlplane.budget import LEDGER_PREFIX, decode_ledger, month_before
 from controlplane.errors import (
     AlreadyExists,
     ChangedSinceRead,
@@ -716,12 +716,17 @@ class Catalog:
     async def list_tenants(self) -> list[Tenant]:
         return sorted((await self.snapshot()).tenants, key=lambda t: t.name)
 
-    async def budgets_spent(self, prefix: str, now: float) -> dict[str, tuple[int, float, float]]:
-        """scope -> (today's UTC day, tokens spent today, this month) of the
-        budgeted scopes starting with `prefix` ("t/", "k/"), from the
-        leader's ledgers (controlplane.budget); a ledger not counted since
-        the day (month) turned spent nothing of it yet. One unreadable is
-        left out (the leader logs it)."""
+    async def budgets_spent(
+        self, prefix: str, now: float
+    ) -> dict[str, tuple[int, float, float, int, float, int, float]]:
+        """scope -> (today's UTC day, tokens spent today, this month, and of
+        the closed periods: yesterday, its tokens, last month (YYYYMM), its
+        tokens) of the budgeted scopes starting with `prefix` ("t/", "k/"),
+        from the leader's ledgers (controlplane.budget; Ledger.closed_used);
+        a ledger not counted since the day (month) turned spent nothing of
+        it yet, and its closed periods are what it counted. Whole tokens (a
+        proxy's counts are; older ones held fractions of an estimate). One
+        unreadable is left out (the leader logs it)."""
         today = utc_day(now)
         listing = await _guard(self.store.list(LEDGER_PREFIX + prefix))
         out = {}
@@ -731,11 +736,27 @@ class Catalog:
             except (ValueError, TypeError, KeyError, IndexError):
                 continue
             day_tokens, month_tokens = ledger.used()
+            last_day, last_day_tokens, last_month, last_month_tokens = ledger.closed_used()
             if ledger.day // 100 != today // 100:
+                # Not counted since the month turned: its count is last month's.
+                if ledger.day // 100 == month_before(today // 100):
+                    last_month, last_month_tokens = ledger.day // 100, month_tokens
                 day_tokens = month_tokens = 0.0
             elif ledger.day != today:
                 day_tokens = 0.0
-            out[kv.key[len(LEDGER_PREFIX) :]] = (today, day_tokens, month_tokens)
+            if ledger.day != today:
+                last_day, last_day_tokens = (0, 0.0)
+                if utc_day(now - 86400) == ledger.day:
+                    last_day, last_day_tokens = ledger.day, ledger.used()[0]
+            out[kv.key[len(LEDGER_PREFIX) :]] = (
+                today,
+                float(round(day_tokens)),
+                float(round(month_tokens)),
+                last_day,
+                float(round(last_day_tokens)),
+                last_month,
+                float(round(last_month_tokens)),
+            )
         return out
 
     async def delete_tenant(self, name: str) -> None:

@@ -1602,6 +1602,10 @@ def _spent_per_key(data: dict[str, Any]) -> dict[str, Any]:
     which a reader of one key missed (trial 42). `get tenants -o json` is the
     apply file's form, which has no place for it."""
     spent = {row["scope"]: row for row in data.get("spent", [])}
+    for row in spent.values():
+        # Whole tokens: JSON's doubles read 18804.0 (and, from a control
+        # plane before they were whole, 18804.917).
+        row.update((k, round(v)) for k, v in list(row.items()) if k.endswith("_tokens"))
     for key in data.get("keys", []):
         row = spent.get(f"k/{key['id']}")
         if row is not None:

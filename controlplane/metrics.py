@@ -428,7 +428,8 @@ class ControlMetrics:
         if not self._leader():
             return []  # the rebalancer's counts are a term's
         return [
-            ((scope, period), used if spent else float(budget))
+            # Whole tokens (older proxies' counts held an estimate's fractions).
+            ((scope, period), float(round(used)) if spent else float(budget))
             for scope, period, used, budget in self._budgets()
         ]
 

@@ -382,6 +382,16 @@ def _demand_row(d: pb.ScopeDemand) -> list[float]:
     counts = (d.spent_epoch, d.day_tokens, d.month_tokens)
     if d.spent_epoch > 0 and d.spent_day and all(math.isfinite(x) and x >= 0 for x in counts):
         row += [d.spent_epoch, float(d.spent_day), _amount(d.day_tokens), _amount(d.month_tokens)]
+    else:
+        row += [0.0, 0.0, 0.0, 0.0]  # none: the closed counts come after
+    for c in d.closed:
+        # Four columns each (ScopeDemand.closed), after the counts: older
+        # leaders read the first nine only.
+        counts = (c.epoch, c.day_tokens, c.month_tokens)
+        if c.epoch > 0 and c.day and all(math.isfinite(x) and x >= 0 for x in counts):
+            row += [c.epoch, float(c.day), c.day_tokens, c.month_tokens]
+    if len(row) == 9 and not row[5]:
+        del row[5:]
     return row
 
 
@@ -622,8 +632,12 @@ def _demand_of(v: list[Any]) -> Demand:
     """A report row as QuotaHub writes it (`_demand_row`; older replicas wrote
     fewer columns: no debts, no budgets' counts)."""
     spent = None
-    if len(v) > 8:
+    if len(v) > 8 and v[5]:
         spent = Spent(float(v[5]), int(v[6]), float(v[7]), float(v[8]))
+    closed = tuple(
+        Spent(float(v[i]), int(v[i + 1]), float(v[i + 2]), float(v[i + 3]))
+        for i in range(9, len(v) - 3, 4)
+    )
     return Demand(
         float(v[0]),
         float(v[1]),
@@ -631,6 +645,7 @@ def _demand_of(v: list[Any]) -> Demand:
         int(v[3]) if len(v) > 3 else 0,
         float(v[4]) if len(v) > 4 else 0.0,
         spent,
+        closed,
     )
 
 
@@ -650,15 +665,19 @@ def _merged(
     # A scope in the earlier report only: its counts, not its rates (the
     # proxy leaves out scopes it is no longer busy in).
     out = {
-        scope: Demand(spent=d.spent)
+        scope: Demand(spent=d.spent, closed=d.closed)
         for scope, d in earlier.items()
-        if scope not in later and d.spent is not None
+        if scope not in later and (d.spent is not None or d.closed)
     }
     out.update(later)
     for scope, d in later.items():
         other = earlier.get(scope)
-        if other is not None and other.spent is not None and _further(other.spent, d.spent):
-            out[scope] = dataclasses.replace(d, spent=other.spent)
+        if other is None:
+            continue
+        if other.spent is not None and _further(other.spent, d.spent):
+            out[scope] = dataclasses.replace(out[scope], spent=other.spent)
+        if other.closed and not d.closed:
+            out[scope] = dataclasses.replace(out[scope], closed=other.closed)
     return out
 
 
@@ -867,7 +886,12 @@ class Rebalancer:
                 for proxy, by_scope in demand.items()
                 if (d := by_scope.get(scope)) is not None and d.spent is not None
             }
-            ledger = account(self._ledgers.get(scope), reports, today)
+            closed = {
+                proxy: d.closed
+                for proxy, by_scope in demand.items()
+                if (d := by_scope.get(scope)) is not None and d.closed
+            }
+            ledger = account(self._ledgers.get(scope), reports, today, closed)
             self._ledgers[scope] = ledger
             used = ledger.used()
             if self._ledger_due(scope, lim, used) and (encoded := self._to_write(scope)):

@@ -220,6 +220,9 @@ class Demand:
     in_flight: int = 0
     debt_tokens: float = 0.0
     spent: Spent | None = None  # a budgeted scope's counts, this month
+    # Counts of other processes or days of the proxy (ScopeDemand.closed):
+    # its final ones of a day (month) that turned, a reload's old worker's.
+    closed: tuple[Spent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

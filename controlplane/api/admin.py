@@ -508,8 +508,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def _spent(self, prefix: str) -> list[apb.BudgetSpent]:
         spent = await self._catalog.budgets_spent(prefix, time.time())
         return [
-            apb.BudgetSpent(scope=scope, day=day, day_tokens=d, month_tokens=m)
-            for scope, (day, d, m) in sorted(spent.items())
+            apb.BudgetSpent(
+                scope=scope,
+                day=day,
+                day_tokens=d,
+                month_tokens=m,
+                last_day=last_day,
+                last_day_tokens=ld,
+                last_month=last_month,
+                last_month_tokens=lm,
+            )
+            for scope, (day, d, m, last_day, ld, last_month, lm) in sorted(spent.items())
         ]
 
     @grpc_errors

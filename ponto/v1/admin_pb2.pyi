@@ -698,12 +698,25 @@ class BudgetSpent(_message.Message):
     DAY_FIELD_NUMBER: _builtins.int
     DAY_TOKENS_FIELD_NUMBER: _builtins.int
     MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    LAST_DAY_FIELD_NUMBER: _builtins.int
+    LAST_DAY_TOKENS_FIELD_NUMBER: _builtins.int
+    LAST_MONTH_FIELD_NUMBER: _builtins.int
+    LAST_MONTH_TOKENS_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     """t/<tenant> or k/<key id>."""
     day: _builtins.int
     """The UTC day (YYYYMMDD) the counts are for: today's."""
     day_tokens: _builtins.float
     month_tokens: _builtins.float
+    last_day: _builtins.int
+    """The closed periods' counts, final once the proxies' reports of them are
+    in (within ten minutes of the turn): the UTC day before `day`
+    (YYYYMMDD; 0: no count of it) and the month (YYYYMM) before `day`'s.
+    Kept until the next day (month) turns. 0 from older control planes.
+    """
+    last_day_tokens: _builtins.float
+    last_month: _builtins.int
+    last_month_tokens: _builtins.float
     def __init__(
         self,
         *,
@@ -711,10 +724,14 @@ class BudgetSpent(_message.Message):
         day: _builtins.int = ...,
         day_tokens: _builtins.float = ...,
         month_tokens: _builtins.float = ...,
+        last_day: _builtins.int = ...,
+        last_day_tokens: _builtins.float = ...,
+        last_month: _builtins.int = ...,
+        last_month_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "month_tokens", b"month_tokens", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "last_day", b"last_day", "last_day_tokens", b"last_day_tokens", "last_month", b"last_month", "last_month_tokens", b"last_month_tokens", "month_tokens", b"month_tokens", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

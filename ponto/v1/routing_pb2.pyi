@@ -1072,6 +1072,7 @@ class ScopeDemand(_message.Message):
     SPENT_DAY_FIELD_NUMBER: _builtins.int
     DAY_TOKENS_FIELD_NUMBER: _builtins.int
     MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
     scope: _builtins.str
     requests_per_s: _builtins.float
     tokens_per_s: _builtins.float
@@ -1095,6 +1096,19 @@ class ScopeDemand(_message.Message):
     spent_day: _builtins.int
     day_tokens: _builtins.float
     month_tokens: _builtins.float
+    @_builtins.property
+    def closed(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpentCount]:
+        """Counts of this scope the proxy holds besides the ones above, each the
+        report of a process of this proxy (its name and `epoch`) for the UTC day
+        `day`: this process's final counts of a day (month) that turned, with
+        the answers admitted in it that ended after; and those a reload's old
+        worker saved as it stopped (it stops reporting once its successor
+        registers). Sent for ten minutes after; the leader keeps the last of
+        each process and day, so sent again they change nothing. None from
+        older proxies (a turn lost the last interval of the closed period, a
+        reload what the old worker spent since its last report).
+        """
+
     def __init__(
         self,
         *,
@@ -1108,14 +1122,47 @@ class ScopeDemand(_message.Message):
         spent_day: _builtins.int = ...,
         day_tokens: _builtins.float = ...,
         month_tokens: _builtins.float = ...,
+        closed: _abc.Iterable[Global___SpentCount] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "day_tokens", b"day_tokens", "debt_tokens", b"debt_tokens", "in_flight", b"in_flight", "month_tokens", b"month_tokens", "requests_per_s", b"requests_per_s", "scope", b"scope", "spent_day", b"spent_day", "spent_epoch", b"spent_epoch", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed", "concurrency", b"concurrency", "day_tokens", b"day_tokens", "debt_tokens", b"debt_tokens", "in_flight", b"in_flight", "month_tokens", b"month_tokens", "requests_per_s", b"requests_per_s", "scope", b"scope", "spent_day", b"spent_day", "spent_epoch", b"spent_epoch", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScopeDemand: _TypeAlias = ScopeDemand  # noqa: Y015
+
+@_typing.final
+class SpentCount(_message.Message):
+    """One process's count of a budgeted scope (ScopeDemand.closed), as its
+    spent_epoch, spent_day, day_tokens and month_tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DAY_FIELD_NUMBER: _builtins.int
+    DAY_TOKENS_FIELD_NUMBER: _builtins.int
+    MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.float
+    day: _builtins.int
+    day_tokens: _builtins.float
+    month_tokens: _builtins.float
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.float = ...,
+        day: _builtins.int = ...,
+        day_tokens: _builtins.float = ...,
+        month_tokens: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "epoch", b"epoch", "month_tokens", b"month_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpentCount: _TypeAlias = SpentCount  # noqa: Y015
 
 @_typing.final
 class QuotaShare(_message.Message):
