@@ -164,11 +164,13 @@ MAX_OWED_S = 3600.0
 # How long after a scope appears on this proxy a refusal for want of any slot may
 # wait for the leader's next share instead (see RateLimiter.may_wait).
 JOIN_WINDOW_S = 5.0
-# How long a closed day's final counts, and those of a reload's old worker,
-# go with the reports (RateLimiter.set_day, carry): long enough for the
-# leader to hear them through a replica's restart, and for the answers
-# admitted before a turn to end (a stream idle past its timeout ends first).
-CLOSED_REPORT_S = 600.0
+# In how many reports a closed day's final counts, and those of a reload's
+# old worker, go (RateLimiter.set_day, carry): ten minutes at one a second,
+# long enough for the leader to hear them through a replica's restart, and
+# for the answers admitted before a turn to end (a stream idle past its
+# timeout ends first). Reports, not seconds: a proxy cut off from the control
+# plane makes none, and sends them once it is back.
+CLOSED_REPORTS = 600
 
 
 class _Scope:
@@ -471,7 +473,7 @@ class Admission:
 def _settle_closed(st: _Scope, day: int, settle: float) -> None:
     """Settle an answer admitted in the UTC day `day`, before `st`'s day
     turned: into that day's final counts (st.closed, which the reports
-    carry for CLOSED_REPORT_S after the turn), and in the same month, the
+    carry in CLOSED_REPORTS reports after the turn), and in the same month, the
     month's count too. Of an older day (a turn missed, a report window
     over) what comes past the charge is charged now, more and not less, and
     a refund gives back nothing of the new period."""
@@ -521,12 +523,12 @@ class RateLimiter:
         # Until when (wall time) its buckets owed, per scope, requests and
         # tokens: not owed yet here (owe).
         self._owed: dict[str, tuple[float, float]] = {}
-        # Counts of other processes or days of this proxy that go with the
-        # reports until the monotonic time `_carried_until` (carry), and
-        # until when each scope's own closed day goes (set_day).
+        # Counts of other processes of this proxy that go with the next
+        # `_carried_reports` reports (carry), and in how many more each
+        # scope's own closed day goes (set_day).
         self._carried: dict[str, list[Spent]] = {}
-        self._carried_until = -INF
-        self._closed_until = -INF
+        self._carried_reports = 0
+        self._closed_reports = 0
         self._any_budget = False
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
@@ -767,44 +769,40 @@ class RateLimiter:
         st.day_used += day_tokens
         self._last_epoch = max(self._last_epoch, spent.epoch)
 
-    def carry(self, rows: Mapping[str, Sequence[Spent]], now: float) -> None:
+    def carry(self, rows: Mapping[str, Sequence[Spent]]) -> None:
         """Report `rows` (scope -> counts of other processes of this proxy:
         a reload's old worker's final ones, or what a process before this
-        one still carried) beside this process's own for CLOSED_REPORT_S
-        from `now`: the leader counts each as that process's report, once
-        however often it comes. QuotaState: as it takes the saved counts."""
+        one still carried) beside this process's own in the next
+        CLOSED_REPORTS reports: the leader counts each as that process's
+        report, once however often it comes. QuotaState: as it takes the
+        saved counts."""
         for name, more in rows.items():
             held = self._carried.setdefault(name, [])
             held.extend(s for s in more if s not in held)
-        self._carried_until = max(self._carried_until, now + CLOSED_REPORT_S)
+        self._carried_reports = CLOSED_REPORTS
 
-    def carried(self, now: float) -> dict[str, list[Spent]]:
-        """The rows the reports carry now (the closed day's and `carry`'s),
+    def carried(self) -> dict[str, list[Spent]]:
+        """The rows the reports carry (`carry`'s and each closed day's),
         for the process after this one to go on carrying (QuotaState's
         saved counts)."""
-        out = (
-            {name: list(rows) for name, rows in self._carried.items()}
-            if (now < self._carried_until)
-            else {}
-        )
-        if now < self._closed_until:
-            for name, st in self._scopes.items():
-                if st.closed is not None:
-                    out.setdefault(name, []).append(st.closed)
+        out = {name: list(rows) for name, rows in self._carried.items()}
+        for name, st in self._scopes.items():
+            if st.closed is not None:
+                out.setdefault(name, []).append(st.closed)
         return out
 
-    def _closed_rows(self, st: _Scope, now: float) -> tuple[Spent, ...]:
-        rows: tuple[Spent, ...] = ()
-        if now < self._carried_until:
-            rows = tuple(self._carried.get(st.name, ()))
-        elif self._carried:
-            self._carried = {}
-        if st.closed is not None:
-            if now < self._closed_until:
-                rows += (st.closed,)
-            else:
-                st.closed = None
-        return rows
+    def _reported_closed(self) -> None:
+        """One more report carried the closed rows: past CLOSED_REPORTS,
+        they go."""
+        if self._carried_reports > 0:
+            self._carried_reports -= 1
+            if not self._carried_reports:
+                self._carried = {}
+        if self._closed_reports > 0:
+            self._closed_reports -= 1
+            if not self._closed_reports:
+                for st in self._scopes.values():
+                    st.closed = None
 
     def set_day(self, day: int, wall: float, now: float) -> None:
         """The UTC day (YYYYMMDD) is `day` at wall time `wall`, monotonic
@@ -829,7 +827,7 @@ class RateLimiter:
                 if month:
                     st.month_used = 0.0
             if turned:
-                self._closed_until = now + CLOSED_REPORT_S
+                self._closed_reports = CLOSED_REPORTS
             self._day = day
         self._day_ends = now + seconds_to_day_end(wall)
         self._month_ends = now + seconds_to_month_end(wall)
@@ -949,7 +947,9 @@ class RateLimiter:
                 if st.month_used > 0 and st.limits.budgeted and self._day
                 else None
             )
-            closed = self._closed_rows(st, now)
+            closed = tuple(self._carried.get(name, ()))
+            if st.closed is not None:
+                closed += (st.closed,)
             if not (
                 st.attempts
                 or st.attempt_tokens
@@ -997,6 +997,7 @@ class RateLimiter:
             st.turned_away = 0
             if st.rps or st.tps or peak or debt or spent or closed:
                 out[name] = Demand(st.rps, st.tps, peak, st.in_flight, debt, spent, closed)
+        self._reported_closed()
         return out
 
     # ------------------------------------------------------------ hot path

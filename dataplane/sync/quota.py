@@ -226,7 +226,7 @@ class QuotaState:
             return
         counts = self._limiter.counts()
         debts = self._limiter.debts(self._clock())
-        carried = self._limiter.carried(self._clock())
+        carried = self._limiter.carried()
         saved: dict[str, object] = {
             "proxy": self._proxy,
             "counts": {
@@ -298,7 +298,7 @@ class QuotaState:
         for scope, more in carried.items():
             rows.setdefault(scope, list(more))
         if rows:
-            self._limiter.carry(rows, self._clock())
+            self._limiter.carry(rows)
 
     def _saved_counts(
         self,

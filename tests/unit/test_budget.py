@@ -52,7 +52,7 @@ from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit import Share
-from dataplane.ratelimit.limiter import FIRST_COMPLETION, RateLimiter
+from dataplane.ratelimit.limiter import CLOSED_REPORTS, FIRST_COMPLETION, RateLimiter
 from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
 from ponto.quota_types import (
     Budget,
@@ -1929,8 +1929,10 @@ def test_a_turn_reports_the_closed_periods_final_counts_and_answers_settle_there
     report = limiter.demand(42.0)[SCOPE]
     assert report.spent == Spent(1.0, JAN1, 10, 10)
     assert report.closed == (Spent(1.0, DEC31, 260, 260),)
-    # Ten minutes on, the closed counts are no longer sent.
-    assert limiter.demand(31.0 + 601)[SCOPE].closed == ()
+    # In 600 reports (ten minutes), then no longer.
+    for i in range(CLOSED_REPORTS - 2):
+        assert limiter.demand(43.0 + i)[SCOPE].closed
+    assert limiter.demand(700.0)[SCOPE].closed == ()
 
 
 def test_within_a_month_a_late_settlement_moves_the_closed_day_and_the_month() -> None:
