@@ -18,8 +18,12 @@ rows few; each folded process keeps its key and month count in `folded`, so
 that one heard from again, partitioned or with a clock days behind, is
 counted once; for FOLDED_DAYS days, after which one heard from again is
 counted twice, more and not less, and `folded` holds a week of restarts, not
-a month's). A process's counts since its last report before it stopped
-(at most a report interval) are not counted. (`Spent.epoch` is when a
+a month's). A process's final counts (since its last report before it
+stopped, or before its day turned) come later, with the reports of the
+process of the proxy after it, or with its own of the new day
+(Demand.closed): each is taken as that process's report of its day, and
+those of the closed day (month) are kept for its total (Ledger.last_day,
+last_month) until the next turn. (`Spent.epoch` is when a
 scope's count started in the process: its start, or when the scope came
 back to its table.) Of a process's reports, one of an earlier day than the
 ledger holds, and no more in the month, is late (from a replica that

@@ -15,7 +15,11 @@ process to the leader, rather than spend again what this one spent since the
 leader's last count. Only one process of a proxy at a time saves them (a lock
 on the file: a reload starts the new one beside the old), and the next takes
 them only while they are of today or yesterday (later, the leader may have
-folded that process away). docs/rate-limits.md has the whole scheme.
+folded that process away). A reload's new process, which counts its own,
+takes the old one's final counts when it takes the lock, and reports them
+beside its own under the old one's epoch (RateLimiter.carry): the old one
+stopped reporting when the new one registered. docs/rate-limits.md has the
+whole scheme.
 
 Budgets (tokens per day and month) need no share: the leader's counts come
 with the shares (QuotaShares.budgets), and the proxy's own go with its
