@@ -53,6 +53,29 @@ def test_key_list_json_has_numbers_and_spent_per_key() -> None:
     assert key["spent"]["month_tokens"] == 7
 
 
+def test_key_list_json_shows_whole_tokens_and_the_closed_periods() -> None:
+    """Trial: `key list -o json` showed month_tokens 18804.917 (a control
+    plane before whole counts), and nothing of the day or month just closed,
+    which a billing job reads."""
+    row = apb.BudgetSpent(
+        scope="k/4mapalz2c5", day=20270101, day_tokens=40, month_tokens=18804.917,
+        last_day=20261231, last_day_tokens=2212.0, last_month=202612, last_month_tokens=20212,
+    )  # fmt: skip
+    keys = apb.ListKeysResponse(keys=[apb.ApiKeyInfo(id="4mapalz2c5", tenant="acme")], spent=[row])
+    text = _render_keys(_KeysStub(), keys, "json")
+    (key,) = json.loads(text)["keys"]
+    assert key["spent"] == {
+        "day": 20270101,
+        "day_tokens": 40,
+        "month_tokens": 18805,
+        "last_day": 20261231,
+        "last_day_tokens": 2212,
+        "last_month": 202612,
+        "last_month_tokens": 20212,
+    }
+    assert "18805.0" not in text and "2212.0" not in text
+
+
 def test_each_key_in_json_and_yaml_has_its_state_as_the_table_does() -> None:
     """Trial 52: the table's STATE (active, expired, revoked) was not in
     `key list -o json`; a script compared expires_at with its own clock."""

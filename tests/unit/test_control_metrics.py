@@ -206,8 +206,12 @@ def test_the_leader_exports_each_budgets_use() -> None:
             ("t/acme", "day", 750.0, 1000),
             ("t/acme", "month", 4900.0, 5000),
             ("k/abc", "month", 0.0, 20),
+            # A ledger with an older proxy's fractions: exported whole (trial:
+            # 1411.0000000000002).
+            ("k/old", "day", 1411.0000000000002, 2000),
         ],
     )
+    assert value(metrics, "ponto_control_budget_spent_tokens", scope="k/old", period="day") == 1411
     day = {"scope": "t/acme", "period": "day"}
     month = {"scope": "t/acme", "period": "month"}
     assert value(metrics, "ponto_control_budget_spent_tokens", **day) == 750.0
