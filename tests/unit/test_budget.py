@@ -2033,3 +2033,22 @@ async def test_the_closed_periods_totals_are_listed_beside_todays() -> None:
     assert await catalog.budgets_spent("t/", jan1_noon) == {
         SCOPE: (JAN1, 0, 0, DEC31, 805, 202612, 18_805)
     }
+
+
+def test_a_restart_across_midnight_reports_the_closed_days_final_counts(tmp_path: Path) -> None:
+    """Stopped before midnight and started after it, a process goes on from
+    its month's count, and its saved count of the day before (its final one
+    of that day) goes with its reports for that day's total."""
+    first, state = proxy_process(tmp_path, epoch=7.0)
+    first.admit([SCOPE], 300, 1.0, most=0)
+    stop(state)  # the leader heard none of it
+    _, state = proxy_process(tmp_path, epoch=9.0, wall=NOON + 86400)
+    [row] = state.demand()
+    assert (row.spent_epoch, row.spent_day, row.day_tokens, row.month_tokens) == (
+        7.0,
+        DAY + 1,
+        0,
+        300,
+    )
+    assert [(c.epoch, c.day, c.day_tokens) for c in row.closed] == [(7.0, DAY, 300)]
+    state.close()
