@@ -28,6 +28,7 @@ demand, with the UTC day they are for (`wall`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -43,12 +44,14 @@ import orjson
 from dataplane.ratelimit.limiter import RateLimiter
 from ponto.quota_types import Budget, ScopeLimits, Share, Spent, default_share, utc_day
 from ponto.v1 import routing_pb2 as pb
-from ponto.writefile import state_writer
+from ponto.writefile import state_writer, write_atomic
 
 log = logging.getLogger(__name__)
 QUOTA_FILE = "quota_shares.pb"
 COUNTS_FILE = "budget_counts.json"
 COUNTS_LOCK = "budget_counts.lock"
+# Those of a process that never held the lock, as it stopped (close): by pid.
+LEFT_COUNTS = "budget_counts.*.json"
 
 
 class QuotaState:
@@ -90,6 +93,8 @@ class QuotaState:
         # Started beside a reload's old process: read its debts again once
         # this one holds the lock (_hold_lock).
         self._owes_on_lock = False
+        # Files of LEFT_COUNTS the last save carried (_take_left).
+        self._left_taken: list[Path] = []
 
     @property
     def ready(self) -> bool:
@@ -228,6 +233,19 @@ class QuotaState:
         old process holds it until it stops; then this one takes it)."""
         if self._counts_saved is None or not self._hold_lock():
             return
+        for path in self._left_taken:
+            # Carried by the last call's save, on disk by now (a write takes
+            # milliseconds), and by every save for CLOSED_REPORTS reports.
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._left_taken = self._take_left()
+        body, any_counts = self._counts_body()
+        if body != self._counts_written and (any_counts or self._counts_written):
+            self._counts_written = body
+            self._counts_saved.save(body)
+
+    def _counts_body(self) -> tuple[bytes, bool]:
+        """The counts file's content, and whether it holds any counts."""
         counts = self._limiter.counts()
         debts = self._limiter.debts(self._clock())
         carried = self._limiter.carried()
@@ -248,10 +266,18 @@ class QuotaState:
                 scope: [[s.epoch, s.day, s.day_tokens, s.month_tokens] for s in rows]
                 for scope, rows in sorted(carried.items())
             }
-        body = orjson.dumps(saved)
-        if body != self._counts_written and (counts or debts or carried or self._counts_written):
-            self._counts_written = body
-            self._counts_saved.save(body)
+        return orjson.dumps(saved), bool(counts or debts or carried)
+
+    def _take_left(self) -> list[Path]:
+        """Carry the counts that processes of this proxy which never held
+        the lock left as they stopped (close): a reload's new worker retired
+        by a second reload before its old one was gone. Their files."""
+        assert self._state_dir is not None
+        taken = sorted(self._state_dir.glob(LEFT_COUNTS))
+        for path in taken:
+            saved, _, carried = self._saved_counts(path)
+            self._carry(saved, carried)
+        return taken
 
     def _hold_lock(self) -> bool:
         """Whether this process holds the lock on the saved counts, taking it
@@ -305,7 +331,7 @@ class QuotaState:
             self._limiter.carry(rows)
 
     def _saved_counts(
-        self,
+        self, path: Path | None = None
     ) -> tuple[dict[str, Spent], dict[str, tuple[float, float]], dict[str, list[Spent]]]:
         """The budget counts the process before this one saved, if it was
         this proxy and they are of today or yesterday (UTC), and its buckets'
@@ -314,7 +340,7 @@ class QuotaState:
         (RateLimiter.carried); none if they are damaged (said once: this
         process counts from nothing, as one did before they were saved)."""
         assert self._state_dir is not None
-        path = self._state_dir / COUNTS_FILE
+        path = path or self._state_dir / COUNTS_FILE
         try:
             raw = orjson.loads(path.read_bytes())
             saved = {
@@ -367,10 +393,21 @@ class QuotaState:
 
     def close(self) -> None:
         """Let the process after this one take the counts (as it stops, once
-        they are saved; the lock goes with the process anyway)."""
+        they are saved; the lock goes with the process anyway). A process
+        that never held the lock (a reload's new worker that a second reload
+        retired before its old one was gone) leaves its counts in a file of
+        its own, which the process holding the lock carries to the leader:
+        it stopped reporting when its successor registered."""
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+        elif self._owes_on_lock and self._state_dir is not None:
+            body, any_counts = self._counts_body()
+            if any_counts:
+                try:
+                    write_atomic(self._state_dir / LEFT_COUNTS.replace("*", str(os.getpid())), body)
+                except OSError as exc:
+                    log.error("cannot save budget counts to %s: %s", self._state_dir, exc)
 
     async def flush(self) -> None:
         """Wait until the newest shares and counts are saved (the fsync runs

@@ -2052,3 +2052,29 @@ def test_a_restart_across_midnight_reports_the_closed_days_final_counts(tmp_path
     )
     assert [(c.epoch, c.day, c.day_tokens) for c in row.closed] == [(7.0, DAY, 300)]
     state.close()
+
+
+def test_a_worker_two_reloads_retired_before_it_held_the_counts_leaves_them_to_the_holder(
+    tmp_path: Path,
+) -> None:
+    """Two reloads in a row: the first one's new worker is retired by the
+    second while the first one's old worker still drains, so it never holds
+    the lock, and saved nothing as it stopped; what it spent since its
+    successor registered was lost."""
+    old, old_state = proxy_process(tmp_path, epoch=7.0)
+    old.admit([SCOPE], 300, 1.0, most=0)
+    first, first_state = proxy_process(tmp_path, epoch=9.0)
+    first.admit([SCOPE], 100, 1.0, most=0)
+    _, second_state = proxy_process(tmp_path, epoch=11.0)
+    stop(old_state)
+    second_state.save_counts()  # the second takes the lock, and the old one's counts
+    first.admit([SCOPE], 50, 1.0, most=0)  # after the second registered: unreported
+    stop(first_state)  # no lock: its counts in a file of its own
+    second_state.save_counts()
+    [row] = second_state.demand()
+    assert sorted((c.epoch, c.day_tokens) for c in row.closed) == [(7.0, 300), (9.0, 150)]
+    second_state.save_counts()  # carried in the save before: its file goes
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == [COUNTS_FILE]
+    saved = orjson.loads((tmp_path / COUNTS_FILE).read_bytes())
+    assert sorted(row[0] for row in saved["carried"][SCOPE]) == [7.0, 9.0]
+    second_state.close()
