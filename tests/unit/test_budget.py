@@ -2078,3 +2078,22 @@ def test_a_worker_two_reloads_retired_before_it_held_the_counts_leaves_them_to_t
     saved = orjson.loads((tmp_path / COUNTS_FILE).read_bytes())
     assert sorted(row[0] for row in saved["carried"][SCOPE]) == [7.0, 9.0]
     second_state.close()
+
+
+async def test_the_leader_counts_a_proxys_closed_counts_through_a_replica() -> None:
+    """From the proxy's report to the ledger in etcd: a reload's new worker
+    reports its own counts and, beside them, the old worker's final ones."""
+    fleet = Fleet(budget_table())
+    await fleet.lead()
+    await fleet.register("p1")
+    await report(fleet, "p1", 300)  # the old worker's last report
+    await leader_round(fleet)
+    hub = QuotaHub(fleet.store, "cp-p1", constant_lease(fleet.lease), interval=0.001)
+    row = pb.ScopeDemand(scope=SCOPE, spent_epoch=9.0, spent_day=DAY, day_tokens=5, month_tokens=5)
+    row.closed.add(epoch=1.0, day=DAY, day_tokens=340, month_tokens=340)  # its final counts
+    hub.report("p1", [row])
+    body = orjson.dumps({"proxies": hub._demand})
+    await fleet.store.put(DEMAND_PREFIX + "cp-p1", body, lease=fleet.lease)
+    await leader_round(fleet)
+    kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
+    assert kv is not None and decode_ledger(kv.value).used() == (345, 345)
