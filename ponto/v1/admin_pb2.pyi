@@ -710,9 +710,10 @@ class BudgetSpent(_message.Message):
     month_tokens: _builtins.float
     last_day: _builtins.int
     """The closed periods' counts, final once the proxies' reports of them are
-    in (within ten minutes of the turn): the UTC day before `day`
-    (YYYYMMDD; 0: no count of it) and the month (YYYYMM) before `day`'s.
-    Kept until the next day (month) turns. 0 from older control planes.
+    in (about eleven minutes after the turn: docs/rate-limits.md, "The turn
+    of a day or month"): the UTC day before `day` (YYYYMMDD) and the month
+    (YYYYMM) before `day`'s. Kept until the next day (month) turns. 0 from
+    older control planes.
     """
     last_day_tokens: _builtins.float
     last_month: _builtins.int

@@ -1103,10 +1103,11 @@ class ScopeDemand(_message.Message):
         `day`: this process's final counts of a day (month) that turned, with
         the answers admitted in it that ended after; and those a reload's old
         worker saved as it stopped (it stops reporting once its successor
-        registers). Sent for ten minutes after; the leader keeps the last of
-        each process and day, so sent again they change nothing. None from
-        older proxies (a turn lost the last interval of the closed period, a
-        reload what the old worker spent since its last report).
+        registers), or that one which never held the saved counts left. Sent
+        in the next 600 reports (ten minutes at one a second); the leader keeps
+        the last of each process and day, so sent again they change nothing.
+        None from older proxies (a turn lost the last interval of the closed
+        period, a reload what the old worker spent since its last report).
         """
 
     def __init__(
