@@ -95,7 +95,6 @@ class _Flight:
         "on_deserted",
         "on_joined",
         "positions",
-        "share",
     )
 
     def __init__(self, key: str) -> None:
@@ -118,9 +117,6 @@ class _Flight:
         self.followers = 0
         self.on_deserted: Callable[[], None] | None = None
         self.on_joined: Callable[[], None] | None = None
-        # What the leading request leaves its followers to pay (the
-        # pipeline's LeftOver): opaque here.
-        self.share: object | None = None
 
     def wake(self) -> None:
         # Waiters hold the old event; the next to wait makes a fresh one.
@@ -239,16 +235,6 @@ class Leader:
         followed (dataplane.http.reply.LeaderStream), as its followers are."""
         return self._coalescer.max_buffer_bytes
 
-    @property
-    def share(self) -> object | None:
-        """What this flight's followers may read of it beside its chunks (the
-        pipeline's LeftOver, once its leading client left); None by default."""
-        return self._flight.share
-
-    @share.setter
-    def share(self, value: object | None) -> None:
-        self._flight.share = value
-
     def when_deserted(self, callback: Callable[[], None]) -> None:
         """Call `callback` (once, synchronously, from the leaving follower's
         `leave`) when the last follower leaves before the outcome; at once
@@ -355,11 +341,6 @@ class Follower:
             reason = _describe(flight.error) if flight.error else "the answer was not kept"
             raise FlightFailed(reason, delivered=self.delivered)
         return flight.entry
-
-    @property
-    def share(self) -> object | None:
-        """What the leader put on the flight for its followers (Leader.share)."""
-        return self._flight.share
 
     @property
     def leader_left(self) -> bool:

@@ -36,7 +36,6 @@ from dataplane.auth.authenticator import (
     KeysPending,
     Principal,
 )
-from dataplane.cache.coalesce import Leader
 from dataplane.cache.entry import CachedResponse, from_completion
 from dataplane.cache.keys import COSTLY_ABOVE, costly_to_normalise
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
@@ -699,9 +698,6 @@ class Pipeline:
                     if not whole:  # the flight's stream was cut, and so was this copy
                         ex.stream_error = "stream_cut"
                     ex.usage = Usage(0, 0)
-                    left = plan.follower.share
-                    if isinstance(left, LeftOver) and (rest := left.take()) is not None:
-                        ex.usage = rest  # the part its leader's client did not get
                     if (relayed := sent_now(request, ex, self.draining, response)) is not None:
                         return relayed
                     return await sent(request, ex, response)
@@ -1070,8 +1066,6 @@ class Pipeline:
             return False
         ex.detached = True
         ex.usage = spent(ex)  # its record's: the tokens until its client left
-        if ex.cache is not None and ex.cache.leader is not None:
-            ex.cache.leader.share = LeftOver(ex, ex.cache.leader, ex.usage)
         detached = self._detached
         detached.add(task)
 
@@ -1256,11 +1250,7 @@ class Pipeline:
         # The answering call's own usage, before hedges' and continuations'
         # prompts are added: what its origin's prefix cache held is of it alone.
         own = ex.usage if ex.counter is None else ex.counter.usage
-        left = ex.cache.leader.share if ex.detached and ex.cache and ex.cache.leader else None
-        if isinstance(left, LeftOver) and left.shared():
-            usage = ex.usage = left.got  # what its record says; a follower pays the rest
-        else:
-            usage = ex.usage = spent(ex)
+        usage = ex.usage = spent(ex)
         if ex.admission is not None:
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is not None:
@@ -1271,50 +1261,6 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- the steps' parts
-
-
-class LeftOver:
-    """Who pays for a flight whose leading request's client left while
-    others followed (Pipeline._detach; billing trial 76: the leader's key
-    was charged the whole answer, its access line what its client got, and
-    the follower that got the rest 0). The leader pays `got`, what its line
-    says; the first of its followers to end with a copy (whole or cut) pays
-    the rest (`take`). A flight whose followers all left first has no such
-    follower: the leader then pays it all, as the origin spent it for it.
-
-    Shared through the flight (Leader.share) by the leader's task and its
-    followers' requests, on one event loop: `take` runs once the flight has
-    ended, when the leader's count is final."""
-
-    __slots__ = ("_ex", "_leader", "got", "taken")
-
-    def __init__(self, ex: Exchange, leader: Leader, got: Usage | None) -> None:
-        self._ex = ex
-        self._leader = leader
-        self.got = got
-        self.taken = False
-
-    def shared(self) -> bool:
-        """Whether a follower pays (or is there to pay) the rest: the
-        leader's settlement (its task's end) then charges `got` only."""
-        return self.taken or self._leader.followed
-
-    def take(self) -> Usage | None:
-        """The rest, for the first follower that asks; None for the others.
-        An estimate (`exact` False) unless both figures were counts: `got`
-        was counted before the origin's usage came, so a part of the rest
-        may be its prompt estimate's error (never below 0)."""
-        if self.taken:
-            return None
-        self.taken = True
-        total, got = spent(self._ex), self.got
-        if total is None or got is None:
-            return total
-        return Usage(
-            max(0, total.prompt_tokens - got.prompt_tokens),
-            max(0, total.completion_tokens - got.completion_tokens),
-            total.exact and got.exact,
-        )
 
 
 def spent(ex: Exchange) -> Usage | None:

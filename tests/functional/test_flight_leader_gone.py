@@ -23,7 +23,7 @@ from dataplane.http.state import HOLDER, PIPELINE
 from ponto.quota_types import tenant_scope
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import COMPLETION, KEY, LIMITED_KEY, MODEL, table
+from tests.functional.test_pipeline import COMPLETION, KEY, MODEL, table
 from tests.functional.test_whole_answers import Edge, Start, edges, until
 
 WORDS = ["one", "two", "three", "four", "five", "six"]
@@ -89,15 +89,14 @@ class Origin:
 class Client:
     """A streaming client of the edge, on a connection of its own."""
 
-    def __init__(self, edge: Edge, key: str = KEY.key) -> None:
+    def __init__(self, edge: Edge) -> None:
         self.url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
-        self.key = key
         self.session = aiohttp.ClientSession()
         self.response: aiohttp.ClientResponse | None = None
 
     async def send(self) -> aiohttp.ClientResponse:
         self.response = await self.session.post(
-            self.url, json=BODY, headers={"authorization": f"Bearer {self.key}"}
+            self.url, json=BODY, headers={"authorization": f"Bearer {KEY.key}"}
         )
         return self.response
 
@@ -215,43 +214,6 @@ async def test_a_leader_whose_client_leaves_goes_on_for_its_follower(
     await until(lambda: in_flight(edge) == 0)
     assert edge.sample("ponto_tenant_tokens_total", completion) == len(WORDS)
     assert coalesced_hits(edge) == (1, 2)  # the follower; the follower and the replay
-
-
-async def test_a_leader_whose_client_left_pays_what_it_got_and_its_follower_the_rest(
-    tmp_path: Path, clients: list[Client]
-) -> None:
-    """Billing trial 76: the leader's key (k1) was charged the whole answer in
-    ponto_tenant_tokens_total though its client got two chunks, and the
-    follower's (k2), which got the rest, nothing. Two keys of one tenant."""
-    async with edges(tmp_path) as go:
-        origin = Origin()
-        edge = await go(origin)
-        [[target]] = edge.app[HOLDER].routes.groups[MODEL]  # type: ignore[union-attr]
-        both = table([(target.name, target.base_url)], version=2)
-        edge.app[HOLDER].apply(both, "control-plane")
-        leader, follower = Client(edge), Client(edge, LIMITED_KEY.key)
-        clients.extend((leader, follower))
-        origin.let(3)
-        await leader.send()
-        assert len(await leader.events(3)) == 3  # three words of six
-        assert (await follower.send()).headers["x-ponto-coalesced"] == "1"
-        assert len(await follower.events(3)) == 3
-        await leader.leave()
-        gone = {"endpoint": "chat.completions", "code": "499"}
-        await until(lambda: edge.sample("ponto_requests_total", gone) == 1)
-        origin.let(len(FRAMES) - 3)
-        assert (await follower.rest()).rstrip().endswith(b"data: [DONE]")
-        ok = {"endpoint": "chat.completions", "code": "200"}
-        await until(lambda: edge.sample("ponto_requests_total", ok) == 1)
-        await until(lambda: edge.app[PIPELINE].limiter.in_flight(tenant_scope("acme")) == 0)
-
-        def completion(key: str) -> float | None:
-            labels = {"tenant": "acme", "key": key, "kind": "completion"}
-            return edge.sample("ponto_tenant_tokens_total", labels)
-
-        # Three events of text reached the leader's client; the other three
-        # only the follower's. Together: every token the origin generated.
-        assert (completion(KEY.key_id), completion(LIMITED_KEY.key_id)) == (3, 3)
 
 
 async def test_once_its_last_follower_leaves_too_the_origin_stops(
