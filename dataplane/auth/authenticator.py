@@ -395,8 +395,11 @@ class Authenticator:
         self._cache: OrderedDict[bytes, tuple[Principal, float]] = OrderedDict()
         self._cache_size = jwt_cache_size
         self._verified: dict[str, Principal] = {}
-        # The same keys by the whole header that presented them (one or two
-        # spellings a key: `Bearer`, `bearer`), found before any parsing.
+        # The same keys by the whole header that presented them, found before
+        # any parsing: only a header of one space and `Bearer` or `bearer`,
+        # so two spellings a key at most (review 308: a client cycling the
+        # scheme's case and spaces filled it with 8 KB headers, and each
+        # 1,024th spelling emptied it for every other client).
         self._headers: dict[str, Principal] = {}
 
     @classmethod
@@ -545,7 +548,8 @@ class Authenticator:
                     raise _bad_key()
                 known = self._api_key(token)
                 _remember(self._verified, token, known)
-            _remember(self._headers, authorization_header, known)
+            if scheme[1:] == "earer" and len(authorization_header) == len(token) + 7:
+                _remember(self._headers, authorization_header, known)
         if self._expiry:
             self._check_expiry(known, now)
         return known

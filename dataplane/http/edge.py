@@ -1189,7 +1189,10 @@ class EdgeRunner(web.AppRunner):
         # --max-connections left the soft limit at 1024).
         nofile = raise_nofile_limit()
         total = limits.max_connections or default_max_connections(nofile)
-        if short := descriptors_short(total, nofile):
+        # Only a cap given: one sized from the limit fits it but for its
+        # floor of 64, which a limit under 384 cannot hold (review 308: the
+        # warning then told to lower a flag never set).
+        if limits.max_connections and (short := descriptors_short(total, nofile)):
             log.warning("%s", short)
         per_client = limits.max_connections_per_client or max(1, total // 4)
         self.caps = ConnectionCaps(total, per_client)

@@ -237,6 +237,11 @@ def test_a_verified_key_is_remembered_and_a_refused_one_never_is(
     assert auth.authenticate("BEARER " + issued.key, NOW).key_id == issued.key_id
     assert len(compares) == 3
     assert "Malformed" in fails(auth, "Basic " + issued.key).message
+    # By its header, only as `Bearer` or `bearer` and one space: a client
+    # cycling other spellings cannot fill the map (review 308).
+    for spelling in ("Bearer ", "bearer ", "BEARER ", "bEaReR ", "Bearer  ", "Bearer   "):
+        assert auth.authenticate(spelling + issued.key, NOW).key_id == issued.key_id
+    assert sorted(auth._headers) == ["Bearer " + issued.key, "bearer " + issued.key]
 
 
 def test_remembered_keys_die_with_their_table_and_stay_bounded(

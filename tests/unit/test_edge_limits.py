@@ -249,6 +249,20 @@ async def test_a_cap_the_descriptor_limit_cannot_hold_is_warned_about_at_start(
     assert "the limit is 1024" in record.getMessage()
 
 
+async def test_a_cap_sized_from_a_tiny_limit_is_not_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Review 308: the floor of 64 under a limit of 300 told the operator to
+    # lower a --max-connections never given.
+    monkeypatch.setattr(edge, "resource", FakeLimits(300, 300))
+    runner = EdgeRunner(web.Application(), EdgeLimits())
+    with caplog.at_level(logging.WARNING, logger=edge.__name__):
+        await runner.setup()
+    await runner.cleanup()
+    assert runner.caps is not None and runner.caps.total == 64
+    assert not caplog.records
+
+
 def test_descriptors_short_counts_an_origin_connection_per_client_connection() -> None:
     assert descriptors_short(default_max_connections(20_000), 20_000) == ""
     assert descriptors_short(1000, 2 * 1000 + 256) == ""
