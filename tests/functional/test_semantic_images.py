@@ -12,27 +12,15 @@ from typing import Any
 
 import pytest
 
-from dataplane.cache.embed import HashingEmbedder
-from dataplane.cache.semantic import SemanticIndex
-from dataplane.http.state import HOLDER, PIPELINE
-from ponto.originsim.app import SimConfig
-from ponto.routetable import content_etag
-from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import MODEL, Stack, start_stack, table
+from dataplane.http.state import PIPELINE
+from tests.functional.test_pipeline import MODEL, Stack
+from tests.functional.test_semantic_tools import semantic_stack
 
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
-    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
-    index = SemanticIndex(HashingEmbedder())
-    s.app[PIPELINE].cache.semantic = index
-    semantic = table([("o1", str(s.origins[0].make_url("/v1")))], version=3)
-    semantic.tenants[0].cache.CopyFrom(pb.CachePolicy(mode="semantic", semantic_threshold=0.8))
-    semantic.etag = content_etag(semantic)
-    s.app[HOLDER].apply(semantic, "control-plane")
-    yield s
-    index.close()
-    await s.close()
+    async with semantic_stack(tmp_path) as s:
+        yield s
 
 
 def text(t: str) -> dict[str, Any]:

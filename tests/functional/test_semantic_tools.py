@@ -5,6 +5,7 @@ near question got the first one's tool call, an action it did not ask for)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ TOOLS = [
 ]
 
 
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def semantic_stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    """test_pipeline's stack with one origin and its tenant on semantic
+    caching (threshold 0.8) over the test embedder."""
     s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, seed=1)])
     index = SemanticIndex(HashingEmbedder())
     s.app[PIPELINE].cache.semantic = index
@@ -34,9 +37,17 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     semantic.tenants[0].cache.CopyFrom(pb.CachePolicy(mode="semantic", semantic_threshold=0.8))
     semantic.etag = content_etag(semantic)
     s.app[HOLDER].apply(semantic, "control-plane")
-    yield s
-    index.close()
-    await s.close()
+    try:
+        yield s
+    finally:
+        index.close()
+        await s.close()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    async with semantic_stack(tmp_path) as s:
+        yield s
 
 
 async def ask(stack: Stack, text: str, **fields: Any) -> dict[str, str]:
