@@ -6,14 +6,15 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from aiohttp.typedefs import Middleware
 
 from dataplane.http.dispatch import FixedRoutes, with_direct
 
 Seen = list[tuple[str, str]]
 
 
-def app_with(seen: Seen) -> web.Application:
-    """An app whose one middleware and handlers record what reached them."""
+def boundary_into(seen: Seen) -> Middleware:
+    """A middleware that records the route name of what passed it."""
 
     @web.middleware
     async def boundary(
@@ -21,6 +22,12 @@ def app_with(seen: Seen) -> web.Application:
     ) -> web.StreamResponse:
         seen.append(("middleware", request.match_info.route.name or ""))
         return await handler(request)
+
+    return boundary
+
+
+def app_with(seen: Seen) -> web.Application:
+    """An app whose one middleware and handlers record what reached them."""
 
     async def chat(request: web.Request) -> web.Response:
         assert request.app is app
@@ -31,7 +38,7 @@ def app_with(seen: Seen) -> web.Application:
         seen.append(("model", request.match_info["model"]))
         return web.Response(text="model")
 
-    app = web.Application(middlewares=[boundary])
+    app = web.Application(middlewares=[boundary_into(seen)])
     app.router.add_post("/v1/chat/completions", chat, name="chat.completions")
     app.router.add_get("/v1/models/{model}", model, name="models.retrieve")
     app.router.add_get("/healthz", chat, name="healthz")
@@ -102,13 +109,6 @@ async def test_a_handler_with_a_direct_function_is_called_through_it() -> None:
     the handler."""
     seen: Seen = []
 
-    @web.middleware
-    async def boundary(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        seen.append(("middleware", request.match_info.route.name or ""))
-        return await handler(request)
-
     async def handle(request: web.Request) -> web.StreamResponse:
         seen.append(("handler", request.method))
         return web.Response(text="handler")
@@ -117,7 +117,7 @@ async def test_a_handler_with_a_direct_function_is_called_through_it() -> None:
         seen.append(("direct", request.method))
         return handle(request)
 
-    app = web.Application(middlewares=[boundary])
+    app = web.Application(middlewares=[boundary_into(seen)])
     app.router.add_post("/v1/chat/completions", with_direct(handle, direct), name="chat")
     app.freeze()
     fixed = FixedRoutes(app, fallback_into(seen))
