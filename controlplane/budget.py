@@ -238,6 +238,18 @@ def account(
         adjacent = before.day // 100 == month_before(month)
         last_month = dict(before.seen) if adjacent else {}
         last_gone = before.month_gone if adjacent else 0.0
+        if adjacent:
+            # A folded process goes on as a row of the closed month (its
+            # count as of its fold day), so that a later report of it
+            # replaces its count rather than adding to month_gone's (review
+            # 311: a proxy's clock days behind, or one back after days cut
+            # off, counted twice in the month billing reads).
+            for key, (count, on) in before.folded.items():
+                if key not in last_month:
+                    epoch = float(key.rpartition("@")[2])
+                    last_month[key] = Spent(epoch, on, 0.0, count)
+                    last_gone -= count
+            last_gone = max(0.0, last_gone)
     else:
         seen = dict(before.seen)
         folded = dict(before.folded)

@@ -1891,6 +1891,32 @@ def test_a_months_last_interval_reported_after_the_turn_counts_in_that_month() -
     assert behind.used() == (2212, 20_212)
 
 
+def test_a_closed_month_counts_a_folded_process_once() -> None:
+    """Review 311: at the month's turn a folded process's count stayed in
+    the closed month's folded total, and its later reports of that month
+    (a clock days behind; a proxy back after days cut off) were added on
+    top: 2,400 of a December's 1,800 tokens."""
+    dec28, dec29 = 20261228, 20261229
+    # p2's clock is three days behind: folded every round, counted once.
+    ledger = account(None, {"p1": spent(1.0, 100, 1000, day=DEC31)}, DEC31)
+    ledger = account(ledger, {"p2": spent(2.0, 50, 600, day=dec28)}, DEC31)
+    assert ledger.used() == (100, 1600) and "p2@2.0" in ledger.folded
+    final = spent(1.0, 200, 1100, day=DEC31)
+    ledger = account(ledger, {"p1": spent(1.0, 5, 5, day=JAN1)}, JAN1, {"p1": [final]})
+    assert ledger.closed_used()[2:] == (202612, 1700)
+    # Its December reports go on in January: each replaces the last.
+    for month_tokens in (650, 700, 700):
+        ledger = account(ledger, {"p2": spent(2.0, 60, month_tokens, day=dec29)}, JAN1)
+    assert ledger.closed_used()[2:] == (202612, 1800)
+    assert decode_ledger(ledger.encode()) == ledger
+    # A proxy cut off for days, back after the turn with its final count.
+    cut = account(None, {"p1": spent(1.0, 100, 500, day=20261220)}, 20261220)
+    cut = account(cut, {"p3": spent(3.0, 30, 300, day=20261227)}, 20261227)
+    assert "p1@1.0" in cut.folded and cut.used()[1] == 800
+    cut = account(cut, {}, JAN1, {"p1": [spent(1.0, 30, 530, day=20261226)]})
+    assert cut.closed_used()[2:] == (202612, 830)
+
+
 def test_a_days_final_counts_count_in_that_day_though_a_later_day_displaced_them() -> None:
     ledger = account(None, {"p1": spent(1.0, 100, 300), "p2": spent(2.0, 50, 50)}, DAY)
     # p1 turned its day before the leader did: its final count of DAY comes
