@@ -171,6 +171,12 @@ JOIN_WINDOW_S = 5.0
 # timeout ends first). Reports, not seconds: a proxy cut off from the control
 # plane makes none, and sends them once it is back.
 CLOSED_REPORTS = 600
+# At most this many carried rows a scope, each process's newest of a day: a
+# reload every few minutes carried one more row each, and reset the window of
+# all of them (review 311: 40 rows in every report after 40 reloads). Past it
+# the oldest processes' rows go (the leader had them for ten minutes at least
+# unless cut off all that time: then their last interval is lost).
+MAX_CARRIED = 8
 
 
 class _Scope:
@@ -777,8 +783,13 @@ class RateLimiter:
         report, once however often it comes. QuotaState: as it takes the
         saved counts."""
         for name, more in rows.items():
-            held = self._carried.setdefault(name, [])
-            held.extend(s for s in more if s not in held)
+            newest: dict[tuple[float, int], Spent] = {}
+            for s in (*self._carried.get(name, ()), *more):
+                had = newest.get((s.epoch, s.day))
+                if had is None or s.month_tokens >= had.month_tokens:
+                    newest[(s.epoch, s.day)] = s
+            kept = sorted(newest.values(), key=lambda s: (s.epoch, s.day))[-MAX_CARRIED:]
+            self._carried[name] = kept
         self._carried_reports = CLOSED_REPORTS
 
     def carried(self) -> dict[str, list[Spent]]:

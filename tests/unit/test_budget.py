@@ -52,7 +52,12 @@ from controlplane.store.base import KeyValue, Listing
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit import Share
-from dataplane.ratelimit.limiter import CLOSED_REPORTS, FIRST_COMPLETION, RateLimiter
+from dataplane.ratelimit.limiter import (
+    CLOSED_REPORTS,
+    FIRST_COMPLETION,
+    MAX_CARRIED,
+    RateLimiter,
+)
 from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
 from ponto.quota_types import (
     Budget,
@@ -2078,6 +2083,17 @@ def test_a_restart_across_midnight_reports_the_closed_days_final_counts(tmp_path
     )
     assert [(c.epoch, c.day, c.day_tokens) for c in row.closed] == [(7.0, DAY, 300)]
     state.close()
+
+
+def test_carried_rows_are_each_processs_newest_and_bounded() -> None:
+    """Review 311: a reload every five minutes put 10, 20, 30, 40 closed
+    rows in every report, and each reload reset the window of them all."""
+    limiter = limiter_at_noon()
+    for epoch in range(1, 41):
+        limiter.carry({SCOPE: [spent(float(epoch), 1, 10), spent(float(epoch), 2, 20)]})
+    rows = limiter.carried()[SCOPE]
+    assert len(rows) == MAX_CARRIED
+    assert rows == [spent(float(e), 2, 20) for e in range(33, 41)]
 
 
 def test_a_worker_two_reloads_retired_before_it_held_the_counts_leaves_them_to_the_holder(
