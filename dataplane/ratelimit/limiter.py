@@ -827,6 +827,13 @@ class RateLimiter:
             # the closed period lost its last interval (trial: 1,407 of a
             # December's 20,212 tokens).
             turned = 0 < self._day < day
+            if self._closed_reports > 0:
+                # The day before's final counts were not sent their reports
+                # yet (a proxy cut off across two turns): they go on, carried
+                # (review 311: a closed December lost at the turn of Jan 2).
+                self.carry(
+                    {n: [st.closed] for n, st in self._scopes.items() if st.closed is not None}
+                )
             for st in self._scopes.values():
                 st.closed = (
                     Spent(st.epoch, self._day, st.day_used, st.month_used)

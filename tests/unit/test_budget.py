@@ -2085,6 +2085,19 @@ def test_a_restart_across_midnight_reports_the_closed_days_final_counts(tmp_path
     state.close()
 
 
+def test_a_proxy_cut_off_across_two_turns_still_reports_the_first_ones_final_counts() -> None:
+    """Review 311: cut off from 20:00 Dec 31 to 00:30 Jan 2, a proxy sent
+    only its final count of Jan 1: December's, never sent, was overwritten
+    at the second turn, and the leader's December stayed short of it."""
+    limiter = limiter_at(LAST_SECONDS)
+    limiter.admit([SCOPE], 100, 1.0, most=50).release(400, 2.0)
+    limiter.set_day(JAN1, LAST_SECONDS + 31, 31.0)  # no report in between
+    limiter.admit([SCOPE], 10, 32.0, most=0).release(30, 33.0)
+    limiter.set_day(20270102, LAST_SECONDS + 86_431, 86_431.0)
+    report = limiter.demand(86_432.0)[SCOPE]
+    assert set(report.closed) == {Spent(1.0, DEC31, 400, 400), Spent(1.0, JAN1, 30, 30)}
+
+
 def test_carried_rows_are_each_processs_newest_and_bounded() -> None:
     """Review 311: a reload every five minutes put 10, 20, 30, 40 closed
     rows in every report, and each reload reset the window of them all."""
