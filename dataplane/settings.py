@@ -36,6 +36,12 @@ NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MAX_NAME = 63
 # --worker-hang-timeout at least (0: off).
 MIN_HANG_TIMEOUT_S = 5.0
+# --stream-hold-seconds: under Envoy's 15 s route timeout and every other
+# common intermediary's (nginx 60 s, ALB 60 s, Cloudflare 100 s), with the
+# keep-alive period (dataplane.http.hold) after it; long enough that nearly
+# every stream's first token comes first (its head then says its origin,
+# and a failure before it is still a plain 502 an SDK retries).
+DEFAULT_STREAM_HOLD_S = 10.0
 
 
 def default_name(hostname: str) -> str:
@@ -110,6 +116,9 @@ class Settings:
     # Seconds without a chunk after which a stream counts as cut (tenants may
     # set their own).
     stream_idle_timeout: float = 60.0
+    # A stream's head is sent this long after its call when its origin has
+    # sent no event yet (dataplane.http.hold); None: never before that event.
+    stream_hold_seconds: float | None = DEFAULT_STREAM_HOLD_S
     # The same for a stream whose origin the table marks unhealthy (None: the
     # same as others'; dataplane/upstream/stalls.py).
     unhealthy_stream_idle_timeout: float | None = DEFAULT_UNHEALTHY_IDLE_S
@@ -349,6 +358,17 @@ def parse(argv: list[str]) -> Settings:
         help="a stream with no chunk for this long (after its first event, no event: "
         "comments do not count) counts as cut and is continued on another origin "
         "(default %(default)s; a tenant's own setting wins)",
+    )
+    p.add_argument(
+        "--stream-hold-seconds",
+        type=finite_float,
+        default=DEFAULT_STREAM_HOLD_S,
+        metavar="SECONDS",
+        help="a stream whose origin has sent no event this long after its call gets its "
+        "head (200, text/event-stream) and SSE keep-alive comments until the first event, "
+        "so that nginx, Envoy or a load balancer in front does not time it out; failover "
+        "goes on behind them, and a failure becomes the stream's error event "
+        "(default %(default)s; 0: at once; negative: never, held to the first event)",
     )
     p.add_argument(
         "--first-chunk-timeout",
@@ -789,6 +809,7 @@ def parse(argv: list[str]) -> Settings:
         ),
         session_header=session_header,
         stream_idle_timeout=a.stream_idle_timeout,
+        stream_hold_seconds=a.stream_hold_seconds if a.stream_hold_seconds >= 0 else None,
         unhealthy_stream_idle_timeout=a.unhealthy_stream_idle_timeout or None,
         origin_stream_usage=a.origin_stream_usage == "always",
         edge=EdgeLimits(

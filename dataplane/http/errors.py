@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from aiohttp import web
 
@@ -539,6 +539,18 @@ def proxy_stopping() -> ApiError:
 
 def _chat_error_event(error: dict[str, str | None]) -> bytes:
     return b"data: " + jsonio.dumps({"error": error}) + b"\n\ndata: [DONE]\n\n"
+
+
+def chat_error_event(error: dict[str, Any]) -> bytes:
+    """A chat or completions stream's error event for `error` (an OpenAI
+    error object) and its `[DONE]`: what a stream ends with when its head
+    was sent before its origin failed (dataplane.http.hold)."""
+    return _chat_error_event(error)
+
+
+def responses_error_event(sequence_number: int | None, error: dict[str, Any]) -> bytes:
+    """A Responses stream's `error` event for `error`, as chat_error_event's."""
+    return _responses_error_event(sequence_number, error)
 
 
 _STREAM_BROKEN = _chat_error_event(_BROKEN)

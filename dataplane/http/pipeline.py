@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import hdrs, web
@@ -68,6 +69,7 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
+from dataplane.http.hold import HeldHead
 from dataplane.http.requestid import origin_request_id
 from dataplane.http.resume import (
     CONTINUABLE,
@@ -167,6 +169,7 @@ class Exchange:
         "hedge_calls",
         "hedge_prompt",
         "hedged",
+        "held",
         "idle_timeout_own",
         "idle_timeout_s",
         "idle_timeout_shorter",
@@ -293,6 +296,9 @@ class Exchange:
         # The answer, once its head went out (a whole one sent, a stream
         # prepared): a failure after that gets no second answer (boundary).
         self.answer: web.StreamResponse | None = None
+        # A stream's head sent while its origin thought (dataplane.http.hold):
+        # the answer goes on in it.
+        self.held: web.StreamResponse | None = None
         # How an answer that started as a success ended badly: a stream cut, or
         # a client gone before its answer ended (CLIENT_GONE: recorded as a 499).
         self.stream_error: str = ""
@@ -395,6 +401,7 @@ class Pipeline:
         origin_stream_usage: bool = True,
         draining: Draining | None = None,
         transcripts: TranscriptBudget | None = None,
+        stream_hold_s: float | None = None,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
@@ -406,6 +413,9 @@ class Pipeline:
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
         self.stream_idle_timeout = stream_idle_timeout
+        # A stream's head is sent this long after its call when no event has
+        # come (--stream-hold-seconds; None: held to the first event).
+        self.stream_hold_s = stream_hold_s
         # Ask the origin for every chat and completions stream's usage
         # (--origin-stream-usage always), not only for those whose client asks.
         self.origin_stream_usage = origin_stream_usage
@@ -684,7 +694,7 @@ class Pipeline:
             # (EdgeCache.own_call): as often as leaders leave, one at a time.
             while plan.follower is not None:
                 try:
-                    followed = await reply.follow(request, ex, plan.follower)
+                    followed = await reply.follow(request, ex, plan.follower, self.stream_hold_s)
                 except BaseException:
                     # Its client left (a 499) while it followed: a coalesced
                     # hit all the same, as the access log says.
@@ -702,7 +712,13 @@ class Pipeline:
                         return relayed
                     return await sent(request, ex, response)
                 plan = ex.cache = await self.cache.own_call(creq, plan)
-            origin = await self.forward(ex, self.hedge_for(ex))
+            if ex.stream and (self.stream_hold_s is not None or ex.held is not None):
+                held = await self.forward_held(request, ex, plan)
+                if isinstance(held, web.StreamResponse):  # its error event was sent
+                    return held
+                origin = held
+            else:
+                origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
                 ex.trace.answered(origin)
             # A cancelled hedge still cost its origin the prompt's prefill.
@@ -720,6 +736,44 @@ class Pipeline:
             if not ex.detached:  # else the flight's task reports the outcome
                 plan.abandon(exc)
             raise
+
+    async def forward_held(
+        self, request: web.Request, ex: Exchange, plan: CachePlan
+    ) -> OriginAnswer | web.StreamResponse:
+        """`forward` for a stream whose head may go out before its origin's
+        first event (dataplane.http.hold; `ex.held` once it has, here or while
+        the request followed a flight). A failure after the head is the
+        stream's error event (reply.held_failed): the response is returned,
+        ended."""
+        hold_s = self.stream_hold_s
+        held = None
+        if ex.held is None and hold_s is not None:
+            held = HeldHead(
+                hold_s,
+                partial(reply.held_head, ex, plan.outcome),
+                partial(reply.prepare_held, request, ex),
+            )
+        try:
+            origin = await self.forward(ex, self.hedge_for(ex))
+        except ApiError as exc:
+            out = ex.held if held is None else await held.stop()
+            if out is None:
+                raise
+            # The client has the stream's head (a 200): the error is its
+            # event, as a cut stream's is. A flight it leads fails as it
+            # would have (its followers make their own calls).
+            plan.abandon(exc)
+            error = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+            return await reply.held_failed(
+                ex, out, error, exc.recorded or exc.code or str(exc.status)
+            )
+        except BaseException:
+            if held is not None:
+                held.abandon()
+            raise
+        if held is not None:
+            ex.held = await held.stop()
+        return origin
 
     @staticmethod
     def hedge_for(ex: Exchange) -> HedgeSetting | None:
@@ -860,7 +914,7 @@ class Pipeline:
 
     async def respond(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
-    ) -> web.Response:
+    ) -> web.StreamResponse:
         """A non-streamed answer: sent as is (an error one allowlisted, see
         reply.origin_body), at once; then its JSON (parsed once: by the
         forwarder, or here after sending) gives the token count and the
@@ -899,7 +953,11 @@ class Pipeline:
                 answer = reply.origin_stream(ex, origin, plan.outcome, frames)
         if answer is None:
             answer = reply.origin_body(ex, origin, plan.outcome, body)
-        response = sent_now(request, ex, self.draining, answer)
+        response: web.StreamResponse | None
+        if ex.held is not None:  # its head went out while the origin thought
+            response = await reply.into_held(ex, ex.held, answer)
+        else:
+            response = sent_now(request, ex, self.draining, answer)
         if response is None:
             response = await sent(request, ex, answer)
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
@@ -1137,6 +1195,7 @@ class Pipeline:
                 whole=whole,
                 shown=shown,
                 trim=for_unasked if ex.usage_added else None,
+                held=ex.held,
             )
         except asyncio.CancelledError:
             # The client left (or the proxy stopped) during the stream: the

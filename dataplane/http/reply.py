@@ -21,22 +21,27 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import HttpVersion11, hdrs, web
 from multidict import CIMultiDict
 
+from dataplane import jsonio
 from dataplane.assemble import client_indexes
 from dataplane.cache.coalesce import FlightFailed, Follower, Leader
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
 from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
+    UPSTREAM_REFUSED,
+    chat_error_event,
     origin_error,
     responses_broken_event,
+    responses_error_event,
     responses_stopped_event,
     stream_broken_event,
     stream_stopped_event,
 )
+from dataplane.http.hold import HeldHead
 from dataplane.http.state import DRAINING, SERVER_NAME, stopping
 from dataplane.streaming.relay import (
     Ending,
@@ -69,6 +74,9 @@ SIMILARITY = "x-ponto-cache-similarity"
 # The answering origin's own x-request-id, where the client gets the proxy's
 # (trial 71: a hosted API's `req_...`, which its support asks for, was lost).
 ORIGIN_REQUEST_ID_HEADER = "x-ponto-origin-request-id"
+# Sent with every relayed stream's head: nginx, which buffers a proxied
+# answer by default (proxy_buffering on), passes it on as it comes.
+ACCEL_BUFFERING = "x-accel-buffering"
 
 
 def _origin_headers(
@@ -147,26 +155,35 @@ async def relay_origin(
     whole: Whole | None = None,
     shown: Rewriter | StreamIds | None = None,
     trim: Trim | None = None,
+    held: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, RelayEnd]:
     """Relay the origin's stream to the client, counted, recorded and (with
     `lead`, the stream of a flight's leader) published to the flight; with
     `shown`, its bytes rewritten by it as they come (a Responses stream's ids);
     with `trim`, its events as it shows them to the client and the flight
     (the usage the proxy asked for on the client's behalf left out), counted
-    and recorded as they came."""
-    out = web.StreamResponse(
-        status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
-    )
-    out.headers["cache-control"] = "no-cache"
-    out.headers[hdrs.SERVER] = SERVER_NAME
+    and recorded as they came. `held`: the stream's head, sent already while
+    the origin thought (dataplane.http.hold): the origin's headers are not
+    sent."""
+    if held is None:
+        out = web.StreamResponse(
+            status=origin.status, headers=_origin_headers(ex, origin, plan.outcome)
+        )
+        out.headers["cache-control"] = "no-cache"
+        out.headers[hdrs.SERVER] = SERVER_NAME
+        out.headers[ACCEL_BUFFERING] = "no"
+    else:
+        out = held
     sink: Writable = out
     if lead is None:
-        await _prepare_stream(out, request, ex)
+        if held is None:
+            await _prepare_stream(out, request, ex)
     else:
         sink = lead
         try:
             if not lead.gone:
-                await _prepare_stream(out, request, ex)
+                if held is None:
+                    await _prepare_stream(out, request, ex)
                 lead.out = out
                 protocol = request.protocol
                 if isinstance(protocol, EdgeProtocol):
@@ -583,17 +600,24 @@ def replay(ex: Exchange, entry: CachedResponse, similarity: float | None) -> web
 
 
 async def follow(
-    request: web.Request, ex: Exchange, follower: Follower
+    request: web.Request, ex: Exchange, follower: Follower, hold_s: float | None = None
 ) -> tuple[web.StreamResponse, bool] | None:
     """Answer from another request's origin call (same chunks, as they come),
     and whether the answer was whole.
 
-    None when that call failed before this client got a byte: the caller then
-    makes its own. A failure after bytes were sent ends the stream with an
-    error event, as a cut relay does (not whole).
+    None when that call failed before this client got an event: the caller
+    then makes its own (in `ex.held`, when the stream's head went out). A
+    failure after events were sent ends the stream with an error event, as a
+    cut relay does (not whole). `hold_s`: a stream's head goes out this long
+    after the follow began when no chunk came (dataplane.http.hold).
     """
     headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
     out: web.StreamResponse | None = None
+    hold = None
+    if ex.stream and ex.held is None and hold_s is not None:
+        hold = HeldHead(
+            hold_s, partial(_follower_head, ex, headers), partial(prepare_held, request, ex)
+        )
     # The client has the answer's last event (its [DONE]): nothing more is
     # written to it but the stream's end, whatever comes of the flight.
     whole = False
@@ -604,13 +628,21 @@ async def follow(
                 return _json(ex, to_completion(await follower.result()), headers), True
             async for chunk in follower:
                 if out is None:
-                    out = await _start_stream(request, ex, headers)
+                    out = ex.held if hold is None else await hold.stop()
+                    if out is None:
+                        out = await _start_stream(request, ex, headers)
+                    else:
+                        ex.chunk_sent()
                 # Before the write: a stop that lands while the client takes
                 # the [DONE] adds no ending after it (review 38).
                 whole = whole_events_end_answer(chunk)
                 await out.write(chunk)
             if out is None:  # the leader answered without streaming
-                return _whole_stream(ex, await follower.result(), headers), True
+                whole_answer = _whole_stream(ex, await follower.result(), headers)
+                held = ex.held if hold is None else await hold.stop()
+                if held is not None:
+                    return await into_held(ex, held, whole_answer), True
+                return whole_answer, True
             whole = ending = True
             await out.write_eof()
             return out, True
@@ -621,6 +653,8 @@ async def follow(
         raise
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:
+            if hold is not None:  # its own call answers in the head sent
+                ex.held = await hold.stop()
             return None
         if out is None:  # pragma: no cover - delivered implies started
             raise
@@ -647,6 +681,9 @@ async def follow(
                 await write_stopped(out, b"")
             raise
         return out, not tail
+    finally:
+        if hold is not None:  # stopped already, but for a leaving client
+            hold.abandon()
 
 
 def _broken_stream_ending(ex: Exchange) -> Ending:
@@ -718,6 +755,7 @@ async def _start_stream(
     out.content_type = "text/event-stream"
     out.headers["cache-control"] = "no-cache"
     out.headers[hdrs.SERVER] = SERVER_NAME
+    out.headers[ACCEL_BUFFERING] = "no"
     out.headers.extend(headers)
     out.headers.extend(ex.limit_headers)
     await _prepare_stream(out, request, ex)
@@ -736,3 +774,72 @@ async def _prepare_stream(out: web.StreamResponse, request: web.Request, ex: Exc
         out.force_close()
     ex.answer = out
     await out.prepare(request)
+
+
+def held_head(ex: Exchange, outcome: str) -> web.StreamResponse:
+    """The head of a stream sent before its origin answered (dataplane.http.hold):
+    a relayed stream's, without what only the origin's answer says (its
+    headers, `x-ponto-origin`, the attempts)."""
+    return _follower_head(ex, ex.response_headers(outcome))
+
+
+def _follower_head(ex: Exchange, headers: list[tuple[str, str]]) -> web.StreamResponse:
+    """A stream's head as _start_stream's, not sent."""
+    out = web.StreamResponse(status=200)
+    out.content_type = "text/event-stream"
+    out.headers["cache-control"] = "no-cache"
+    out.headers[hdrs.SERVER] = SERVER_NAME
+    out.headers[ACCEL_BUFFERING] = "no"
+    out.headers.extend(headers)
+    out.headers.extend(ex.limit_headers)
+    return out
+
+
+async def prepare_held(request: web.Request, ex: Exchange, out: web.StreamResponse) -> None:
+    """Sends a held stream's head (`held_head`), as any stream's."""
+    await _prepare_stream(out, request, ex)
+
+
+async def held_failed(
+    ex: Exchange, out: web.StreamResponse, error: dict[str, Any], recorded: str
+) -> web.StreamResponse:
+    """Ends a stream whose head was sent while its origin thought
+    (dataplane.http.hold), and which got no answer, with `error` (an OpenAI
+    error object, as the client would have had it in a JSON body) as its
+    in-band error event (and `[DONE]`, in a chat or completions stream), as
+    a cut stream ends: the status was sent, and was 200. `recorded`: the
+    error the access log and the metrics give it (ex.stream_error)."""
+    ex.stream_error = recorded
+    ex.chunk_sent()
+    if ex.endpoint.name == "responses":
+        ending = responses_error_event(0, error)
+    else:
+        ending = chat_error_event(error)
+    await out.write(ending)
+    await out.write_eof()
+    return out
+
+
+async def into_held(
+    ex: Exchange, out: web.StreamResponse, answer: web.Response
+) -> web.StreamResponse:
+    """A whole answer (`answer`, not sent) to a stream whose head was sent
+    while its origin thought: a stream's frames (an origin that ignored
+    `stream`) follow the head; an error's JSON becomes the stream's error
+    event (`held_failed`), recorded by its status as an origin's error
+    answer is. Returns `out`, as the response the handler sent."""
+    body = answer.body
+    assert isinstance(body, bytes)
+    if answer.status < 300 and answer.content_type == "text/event-stream":
+        ex.chunk_sent()
+        await out.write(body)
+        await out.write_eof()
+    else:
+        parsed = jsonio.loads_or_none(body)
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if not isinstance(error, dict):
+            error = {"message": UPSTREAM_REFUSED, "type": "upstream_error"}
+        error.setdefault("param", None)
+        error.setdefault("code", None)
+        await held_failed(ex, out, error, ex.origin_error or str(answer.status))
+    return out

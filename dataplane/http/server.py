@@ -276,6 +276,7 @@ class Proxy:
             max_body_bytes=settings.max_body_bytes,
             session_header=settings.session_header,
             stream_idle_timeout=settings.stream_idle_timeout,
+            stream_hold_s=settings.stream_hold_seconds,
             stalls=self.stalls,
             tracer=self.tracer,
             origin_stream_usage=settings.origin_stream_usage,

@@ -1,0 +1,93 @@
+"""A stream's head, committed while its origin thinks (--stream-hold-seconds).
+
+The forwarder holds a stream until its origin's first event so that a failing
+origin can still be replaced (dataplane.upstream.forwarder). A reasoning model
+may think a minute before that event, and every intermediary between client
+and proxy with a read timeout (nginx's proxy_read_timeout, 60 s by default;
+Envoy's route timeout, 15 s; a cloud load balancer's idle timeout) answers its
+own 504 meanwhile. Past the hold, the client is sent the stream's head
+(`200 text/event-stream`) and SSE comments, which every SSE client skips,
+until the first event: failover goes on behind them, since no event has been
+sent, and a failure before any event becomes the stream's in-band error event
+(dataplane.http.reply.held_failed), as a cut stream's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+# What keeps an idle connection alive: an SSE comment (a line that begins
+# with a colon), which clients and the OpenAI SDKs skip.
+KEEP_ALIVE = b": keep-alive\n\n"
+# Between two keep-alives: under every common intermediary's read timeout
+# (Envoy's 15 s route timeout, nginx's 60 s, an ALB's 60 s idle timeout).
+KEEP_ALIVE_EVERY_S = 5.0
+
+
+class HeldHead:
+    """Commits a stream's head `hold_s` seconds after it is made, unless
+    `stop` (or `abandon`) comes first, then writes KEEP_ALIVE every
+    `every_s` seconds. Made by the request's handler before it awaits its
+    origin's answer; the head and the comments are written by a task of this
+    object's, on the handler's loop, and never while the handler writes: the
+    handler writes only once `stop` has returned.
+
+    A request that gets its answer within the hold costs one timer, armed and
+    cancelled; nothing else. `make` makes the head's response (status 200
+    and the stream's headers), `prepare` sends it."""
+
+    __slots__ = ("_every_s", "_make", "_prepare", "_task", "_timer", "out")
+
+    def __init__(
+        self,
+        hold_s: float,
+        make: Callable[[], web.StreamResponse],
+        prepare: Callable[[web.StreamResponse], Awaitable[None]],
+        every_s: float = KEEP_ALIVE_EVERY_S,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._make = make
+        self._prepare = prepare
+        self._every_s = every_s
+        self._task: asyncio.Task[None] | None = None
+        self.out: web.StreamResponse | None = None  # once the head is sent
+        self._timer = loop.call_later(hold_s, self._commit)
+
+    def _commit(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        # Known before it is sent: a stop during `prepare` may find the
+        # head begun, and the rest of the stream must follow it.
+        out = self.out = self._make()
+        await self._prepare(out)
+        while True:
+            # At once too: a head alone may wait in the connection's buffer.
+            await out.write(KEEP_ALIVE)
+            await asyncio.sleep(self._every_s)
+
+    async def stop(self) -> web.StreamResponse | None:
+        """No more comments: the response whose head was sent (the caller
+        writes the rest of the stream to it), or None when it was not.
+        A write that found the client gone leaves the response for the
+        caller's next write to find so."""
+        self._timer.cancel()
+        task = self._task
+        if task is None:
+            return None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await task
+        out = self.out
+        return out if out is not None and out.prepared else None
+
+    def abandon(self) -> None:
+        """The request ends otherwise (its client left, a bug): nothing more
+        is written, at once."""
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,256 @@
+"""A stream's head goes out while its origin thinks (--stream-hold-seconds).
+
+Trial: behind nginx (proxy_read_timeout 10 s) a reasoning model that thought
+12 s before its first token got nginx's 504, though its origin pinged every
+2 s: the proxy held the whole stream, head and comments, until the first
+event. Past the hold (0 here: at once, so no test waits on a clock), the
+client has `200 text/event-stream` and keep-alive comments; failover goes on
+behind them, and a failure before any event is the stream's error event.
+The proxy's app before scripted aiohttp origins (tests/functional/test_continuation.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from dataplane.http.hold import KEEP_ALIVE
+from dataplane.http.state import ACCESS_LOG, METRICS
+from tests.functional.test_continuation import (
+    MODEL,
+    Origin,
+    Proxy,
+    operations,
+    proxy,
+    second_origin,
+    sse,
+    text_of,
+    whole_chat,
+)
+
+__all__ = ["proxy"]  # fixture
+
+HOLD_AT_ONCE = ["--stream-hold-seconds=0", "--access-log=on"]
+ASK = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 50,
+}
+
+
+def pings_forever() -> Origin:
+    """An origin that sends its head and comments, and no event."""
+
+    async def pings(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        for _ in range(600):
+            await out.write(b": ping\n\n")
+            await asyncio.sleep(0.05)
+        return out
+
+    return Origin(pings)
+
+
+def frames_of(raw: str) -> list[str]:
+    return [f for f in raw.split("\n\n") if f]
+
+
+async def access_line(p: Proxy, capfd: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    registry = p.app[METRICS].registry
+    labels = {"endpoint": "chat.completions", "code": "200"}
+    for _ in range(500):  # the line is written once the handler has returned
+        if registry.get_sample_value("ponto_requests_total", labels):
+            break
+        await asyncio.sleep(0.01)
+    p.app[ACCESS_LOG].flush()
+    lines = capfd.readouterr().out.splitlines()
+    [line] = [json.loads(x) for x in lines if x.startswith("{")]
+    assert isinstance(line, dict)
+    return line
+
+
+async def test_the_head_and_keep_alives_reach_the_client_before_the_first_event(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    thinking = asyncio.Event()
+
+    async def thinks(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(b": ping\n\n")
+        await thinking.wait()  # until the client has had the head
+        await out.write(
+            b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, '
+            b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, '
+            b'"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        )
+        await out.write_eof()
+        return out
+
+    p = await proxy([(Origin(thinks), False)], idle="30", extra=HOLD_AT_ONCE)
+    async with asyncio.timeout(10):  # a bound on a broken test: the head never comes
+        resp = await p.client.post("/v1/chat/completions", json=ASK)
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "text/event-stream"
+        assert resp.headers["x-accel-buffering"] == "no"
+        assert "x-request-id" in resp.headers
+        assert await resp.content.readuntil(b"\n\n") == KEEP_ALIVE
+    thinking.set()
+    raw = (await resp.read()).decode()
+    events = [f for f in frames_of(raw) if not f.startswith(":")]
+    assert "ping" not in raw  # the origin's own comments are not passed on
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["choices"][0]["delta"]["content"] == "hi"
+
+
+async def test_failover_goes_on_behind_a_sent_head(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    a, b = pings_forever(), await second_origin()
+    p = await proxy([(a, False), (b, False)], idle="0.3", extra=HOLD_AT_ONCE)
+    resp = await p.client.post("/v1/chat/completions", json=ASK)
+    assert resp.status == 200
+    raw = (await resp.read()).decode()
+    frames = frames_of(raw)
+    assert frames[0] == KEEP_ALIVE.decode().strip()
+    events = [json.loads(f[6:]) for f in frames if f.startswith("data: {")]
+    assert text_of(events) == " world" and "error" not in raw
+    assert (len(a.bodies), len(b.bodies)) == (1, 1)
+
+
+async def test_a_failure_after_the_head_is_the_streams_error_event(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every origin pinged past the first-chunk timeout: the client, which
+    has a 200, reads the 502's error as the stream's event, then [DONE] (the
+    openai SDK raises APIError for it), as a cut stream ends; the access log
+    and the metrics record the 200 with the error's code."""
+    p = await proxy([(pings_forever(), False)], idle="0.3", extra=HOLD_AT_ONCE)
+    capfd.readouterr()
+    resp = await p.client.post("/v1/chat/completions", json=ASK)
+    assert resp.status == 200
+    frames = frames_of((await resp.read()).decode())
+    assert frames[0] == KEEP_ALIVE.decode().strip()
+    assert frames[-1] == "data: [DONE]"
+    error = json.loads(frames[-2][6:])["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_unavailable")
+    line = await access_line(p, capfd)
+    assert (line["status"], line["error"]) == (200, "upstream_unavailable")
+    assert operations(p).get(("upstream_unavailable", "r0")) == 1
+
+
+@pytest.mark.parametrize("status", [400, 200])
+async def test_a_whole_answer_after_the_head_follows_it_as_the_stream(
+    proxy: Callable[..., Awaitable[Proxy]], status: int
+) -> None:
+    """An origin that answers whole once the head is out: its error (400) is
+    the stream's error event, its answer (an origin that ignored `stream`)
+    the stream's events."""
+    thinking = asyncio.Event()
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        await thinking.wait()
+        if status == 400:
+            return web.json_response(
+                {"error": {"message": "bad temperature", "type": "invalid_request_error"}},
+                status=400,
+            )
+        return web.json_response({
+            "id": "w", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "world"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        })  # fmt: skip
+
+    p = await proxy([(Origin(whole), False)], idle="30", extra=HOLD_AT_ONCE)
+    async with asyncio.timeout(10):  # a bound on a broken test: the head never comes
+        resp = await p.client.post("/v1/chat/completions", json=ASK)
+        assert resp.status == 200
+        assert await resp.content.readuntil(b"\n\n") == KEEP_ALIVE
+    thinking.set()
+    frames = frames_of((await resp.read()).decode())
+    assert frames[-1] == "data: [DONE]"
+    events = [json.loads(f[6:]) for f in frames if f.startswith("data: {")]
+    if status == 400:
+        [only] = events
+        assert only["error"]["message"] == "bad temperature"
+    else:
+        assert text_of(events) == "world" and not any("error" in e for e in events)
+
+
+async def test_a_stream_answered_within_the_hold_has_its_origins_head(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Not held: the origin's head, which names it, and nginx told not to buffer."""
+    p = await proxy([(await second_origin(), False)])
+    resp = await p.client.post("/v1/chat/completions", json=ASK)
+    assert (resp.status, resp.headers["x-ponto-origin"]) == (200, "o0")
+    assert resp.headers["x-accel-buffering"] == "no"
+    raw = (await resp.read()).decode()
+    assert not raw.startswith(":")
+
+
+async def test_a_coalesced_follower_gets_its_head_too_and_the_same_stream(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """Two identical requests fly together (one origin call); the follower,
+    which waits for the leader's first event, is sent its head as the leader
+    is, and then the same events. The keep-alives are no part of the answer
+    the cache keeps: a third request replays the events alone."""
+    thinking = asyncio.Event()
+    calls = 0
+
+    async def thinks(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        out = await sse(request)
+        await thinking.wait()
+        await out.write(
+            b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, '
+            b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, '
+            b'"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+        )
+        await out.write_eof()
+        return out
+
+    p = await proxy([(Origin(thinks), False)], idle="30", extra=HOLD_AT_ONCE)
+    ask = {**ASK, "temperature": 0}
+    async with asyncio.timeout(10):  # a bound on a broken test: a head never comes
+        first = await p.client.post("/v1/chat/completions", json=ask)
+        second = await p.client.post("/v1/chat/completions", json=ask)
+        for resp in (first, second):
+            assert resp.status == 200
+            assert await resp.content.readuntil(b"\n\n") == KEEP_ALIVE
+    assert second.headers.get("x-ponto-coalesced") == "1"
+    thinking.set()
+    raws = [(await r.read()).decode() for r in (first, second)]
+    assert raws[0] == raws[1] and "hi" in raws[0]
+    assert calls == 1
+    replayed = await p.client.post("/v1/chat/completions", json=ask)
+    raw = (await replayed.read()).decode()
+    assert replayed.headers["x-ponto-cache"] == "hit" and "hi" in raw
+    assert "keep-alive" not in raw and calls == 1
+
+
+async def test_a_query_string_on_an_api_path_is_accepted_and_not_sent_on(
+    proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """What docs/operations.md says for proxies in front that add one (an
+    Azure-style `api-version`): the proxy answers, and the origin's path has
+    none, so an origin is never sent what the client put there."""
+    queries: list[str] = []
+
+    async def records(request: web.Request) -> web.StreamResponse:
+        queries.append(request.query_string)
+        return await whole_chat("w")(request)
+
+    p = await proxy([(Origin(records), False)])
+    resp = await p.client.post(
+        "/v1/chat/completions?api-version=2024-06-01&x=1", json={**ASK, "stream": False}
+    )
+    assert resp.status == 200 and queries == [""]
