@@ -36,12 +36,14 @@ NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MAX_NAME = 63
 # --worker-hang-timeout at least (0: off).
 MIN_HANG_TIMEOUT_S = 5.0
-# --stream-hold-seconds: under Envoy's 15 s route timeout and every other
-# common intermediary's (nginx 60 s, ALB 60 s, Cloudflare 100 s), with the
-# keep-alive period (dataplane.http.hold) after it; long enough that nearly
-# every stream's first token comes first (its head then says its origin,
-# and a failure before it is still a plain 502 an SDK retries).
-DEFAULT_STREAM_HOLD_S = 10.0
+# --stream-hold-seconds: with a keep-alive every 5 s after it
+# (dataplane.http.hold), no gap of 10 s or more reaches the client, under a
+# 10 s proxy_read_timeout (trial: nginx's 504 at 10 s) and every common
+# default (nginx 60 s, an ALB's 60 s idle timeout, Cloudflare's 100 s); long
+# enough that nearly every stream's first event comes first, whose head then
+# says its origin, and whose failure before it is still a plain 502, which
+# the SDKs retry (an error event they do not).
+DEFAULT_STREAM_HOLD_S = 8.0
 
 
 def default_name(hostname: str) -> str:
