@@ -767,6 +767,11 @@ class Pipeline:
             return await reply.held_failed(
                 ex, out, error, exc.recorded or exc.code or str(exc.status)
             )
+        except asyncio.CancelledError:
+            out = ex.held if held is None else await held.stop()
+            if out is not None:  # a stopping server's stream ends as a relay's does
+                await reply.held_stopped(request, ex, out)
+            raise
         except BaseException:
             if held is not None:
                 held.abandon()

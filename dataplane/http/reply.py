@@ -650,6 +650,8 @@ async def follow(
         # The chunks are whole events (the leader's relay hands on no other).
         if out is not None and not ending and stopping(request):
             await write_stopped(out, b"" if whole else stream_stopped_event())
+        elif out is None and (held := ex.held if hold is None else await hold.stop()):
+            await held_stopped(request, ex, held)
         raise
     except FlightFailed as exc:
         if out is None and exc.delivered == 0:
@@ -818,6 +820,15 @@ async def held_failed(
     await out.write(ending)
     await out.write_eof()
     return out
+
+
+async def held_stopped(request: web.Request, ex: Exchange, out: web.StreamResponse) -> None:
+    """Ends a stream whose head was sent while its origin thought, and whose
+    request the stopping server cancelled, as a cancelled relay's
+    (write_stopped); a client that left gets nothing more."""
+    ending = _stopped_ending(request, ex)(None)
+    if ending is not None:
+        await write_stopped(out, ending)
 
 
 async def into_held(

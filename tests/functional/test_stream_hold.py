@@ -14,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from dataplane.http.hold import KEEP_ALIVE
-from dataplane.http.state import ACCESS_LOG, METRICS
+from dataplane.http.state import ACCESS_LOG, DRAINING, METRICS
+from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_continuation import (
     MODEL,
     Origin,
@@ -32,6 +36,7 @@ from tests.functional.test_continuation import (
     text_of,
     whole_chat,
 )
+from tests.functional.test_pipeline import KEY, chat
 
 __all__ = ["proxy"]  # fixture
 
@@ -254,3 +259,50 @@ async def test_a_query_string_on_an_api_path_is_accepted_and_not_sent_on(
         "/v1/chat/completions?api-version=2024-06-01&x=1", json={**ASK, "stream": False}
     )
     assert resp.status == 200 and queries == [""]
+
+
+@pytest.mark.parametrize("temperature", [0, 1], ids=["a-flights-leader", "uncached"])
+async def test_a_held_stream_the_stop_cancels_ends_with_the_stopping_event(
+    tmp_path: Path, temperature: int
+) -> None:
+    """As a relayed stream the stopping proxy cancels (test_stop_cancel): the
+    client, which has the head, reads `proxy_stopping` and [DONE], not a
+    stream cut in its body. The proxy on its production listener."""
+    taken = asyncio.Event()
+
+    async def never(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        taken.set()
+        await asyncio.sleep(3600)  # thinks past the stop
+        raise AssertionError("not cut")
+
+    origin_app = web.Application()
+    origin_app.router.add_post("/v1/chat/completions", never)
+    origin = TestServer(origin_app)
+    await origin.start_server()
+    served = await serve_on_edge(
+        tmp_path, str(origin.make_url("/v1")), "--stream-hold-seconds=0", shutdown_timeout=0.5
+    )
+    try:
+        url = f"http://127.0.0.1:{served.port}/v1/chat/completions"
+        headers = {"authorization": f"Bearer {KEY.key}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                url, json=chat("go on", stream=True, temperature=temperature), headers=headers
+            ) as resp,
+        ):
+            assert resp.status == 200
+            async with asyncio.timeout(10):  # a bound on a broken test
+                assert await resp.content.readuntil(b"\n\n") == KEEP_ALIVE
+                await taken.wait()
+                served.app[DRAINING].active = True
+                stop = asyncio.create_task(served.runner.cleanup())
+                rest = (await resp.content.read()).decode()
+                await stop
+        events = [f for f in frames_of(rest) if not f.startswith(":")]
+        assert json.loads(events[0][6:])["error"]["code"] == "proxy_stopping", rest
+        assert events[1:] == ["data: [DONE]"]
+    finally:
+        await served.runner.cleanup()
+        await origin.close()
