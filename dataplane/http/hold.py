@@ -15,7 +15,6 @@ sent, and a failure before any event becomes the stream's in-band error event
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -80,8 +79,12 @@ class HeldHead:
         if task is None:
             return None
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-            await task
+        # Not `await task`: a cancellation of the caller's own must not be
+        # taken for the task's.
+        await asyncio.wait((task,))
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not isinstance(exc, ConnectionError):
+            raise exc  # a bug of the head's: a client gone is found by the next write
         out = self.out
         return out if out is not None and out.prepared else None
 
@@ -89,5 +92,10 @@ class HeldHead:
         """The request ends otherwise (its client left, a bug): nothing more
         is written, at once."""
         self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # a write that found the client gone: its leaving is told otherwise

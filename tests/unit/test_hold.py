@@ -1,0 +1,70 @@
+"""HeldHead (dataplane.http.hold): the head and keep-alives of a stream
+sent while its origin thinks, and how they stop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from dataplane.http.hold import KEEP_ALIVE, HeldHead
+
+
+class Head(web.StreamResponse):
+    """A response that records its writes; one write of `stuck` never ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = asyncio.Event()
+        self.writes: list[bytes] = []
+        self.stuck = asyncio.Event()  # never set
+
+    @property
+    def prepared(self) -> bool:
+        return self.sent.is_set()
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+        await self.stuck.wait()
+
+
+async def sent_head(head: Head) -> HeldHead:
+    async def prepare(out: web.StreamResponse) -> None:
+        head.sent.set()
+
+    held = HeldHead(0, lambda: head, prepare)
+    async with asyncio.timeout(5):  # a bound on a broken test
+        await head.sent.wait()
+        while not head.writes:
+            await asyncio.sleep(0)
+    return held
+
+
+async def test_stop_returns_the_sent_head_after_its_keep_alive() -> None:
+    head = Head()
+    held = await sent_head(head)
+    assert await held.stop() is head
+    assert head.writes == [KEEP_ALIVE]
+
+
+async def test_a_head_not_sent_is_none_and_no_timer_is_left() -> None:
+    made: list[int] = []
+
+    async def prepare(out: web.StreamResponse) -> None:
+        made.append(1)
+
+    held = HeldHead(3600, Head, prepare)
+    assert await held.stop() is None and made == []
+
+
+async def test_a_caller_cancelled_while_it_stops_the_head_stays_cancelled() -> None:
+    """The handler's cancellation (its client left) during `stop` is its own,
+    not the head task's, and must not be swallowed with it."""
+    head = Head()
+    held = await sent_head(head)
+    stopping = asyncio.create_task(held.stop())
+    await asyncio.sleep(0)  # it waits for the head's task
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
