@@ -221,8 +221,12 @@ def client_ip(
     is returned, IPv4-mapped IPv6 normalised to IPv4, unless it lies in
     `trusted`. Only then are the forwarding headers read:
 
-    * ``X-Forwarded-For``, all lines joined in order, split on commas; if that
-      header is absent, the ``for=`` parameters of RFC 7239 ``Forwarded``.
+    * ``X-Forwarded-For``, all lines joined in order, split on commas, or the
+      ``for=`` parameters of RFC 7239 ``Forwarded``. If both headers are
+      present each is walked; when they name the same client it is returned,
+      when they disagree neither is believed and the peer is returned (a
+      balancer that writes one header passes the client's forged copy of
+      the other through).
     * The entries are walked right to left. Entries from trusted proxies are
       skipped; the first untrusted address is the client and is returned.
     * An entry that is not an address (garbage, empty, ``unknown``,
@@ -241,17 +245,29 @@ def client_ip(
     if addr is None or not trusted or addr not in trusted:
         return addr
 
-    parse: Callable[[str], IPAddress | None]
-    lines = _header_lines(headers, "X-Forwarded-For")
-    if lines:
-        parse = parse_node
-    else:
-        lines = _header_lines(headers, "Forwarded")
-        if not lines:
-            return addr
-        parse = _forwarded_element_node
+    xff = _header_lines(headers, "X-Forwarded-For")
+    fwd = _header_lines(headers, "Forwarded")
+    if not xff:
+        return _walk(addr, fwd, _forwarded_element_node, trusted) if fwd else addr
+    by_xff = _walk(addr, xff, parse_node, trusted)
+    if not fwd:
+        return by_xff
+    # Both headers: a trusted proxy may write only one of them and pass the
+    # client's own copy of the other through untouched, and we cannot tell
+    # which. If they name different clients one of them is forged; believe
+    # neither and fall back to the peer, which nobody can forge.
+    by_fwd = _walk(addr, fwd, _forwarded_element_node, trusted)
+    return by_xff if by_xff == by_fwd else addr
 
-    nearest = addr
+
+def _walk(
+    peer: IPAddress,
+    lines: Sequence[str],
+    parse: Callable[[str], IPAddress | None],
+    trusted: TrustedProxies,
+) -> IPAddress:
+    """The client named by one forwarding header, walked right to left (see `client_ip`)."""
+    nearest = peer
     for entry in reversed(_split_entries(lines)):
         hop = parse(entry)
         if hop is None:

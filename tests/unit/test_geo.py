@@ -492,9 +492,22 @@ def test_forwarded_across_header_lines() -> None:
     assert client_ip("fd00::1", headers, PROXIES) == addr("2001:db8::7")
 
 
-def test_x_forwarded_for_wins_over_forwarded() -> None:
+def test_forwarding_headers_that_disagree_are_both_disbelieved() -> None:
+    # The balancer writes only Forwarded and passes the client's forged
+    # X-Forwarded-For through (or the other way round): we cannot tell which
+    # header our proxy wrote, so the peer is all we can vouch for.
     headers = multi(("Forwarded", "for=198.51.100.1"), ("X-Forwarded-For", "203.0.113.1"))
-    assert client_ip("10.0.0.1", headers, PROXIES) == addr("203.0.113.1")
+    assert client_ip("10.0.0.1", headers, PROXIES) == addr("10.0.0.1")
+    headers = multi(("X-Forwarded-For", "203.0.113.1"), ("Forwarded", "for=198.51.100.1"))
+    assert client_ip("10.0.0.1", headers, PROXIES) == addr("10.0.0.1")
+
+
+def test_forwarding_headers_that_agree_are_believed() -> None:
+    headers = multi(
+        ("Forwarded", 'for=198.51.100.66, for="[2001:db8::7]", for=10.1.1.1'),
+        ("X-Forwarded-For", "2001:db8::7, 10.1.1.1"),
+    )
+    assert client_ip("10.0.0.1", headers, PROXIES) == addr("2001:db8::7")
 
 
 def test_ipv4_mapped_peer_is_normalised() -> None:
