@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
 from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.typedefs import Middleware
-from aiohttp.web_urldispatcher import PlainResource, _default_expect_handler
+from aiohttp.web_urldispatcher import PlainResource
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
@@ -25,12 +26,12 @@ from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
     Unauthorized,
-    body_too_large,
     proxy_stopping,
 )
 from dataplane.http.refusals import refusals
 from dataplane.http.state import (
     ACCESS_LOG,
+    CONTINUE_PENDING,
     DRAINING,
     EXCHANGE,
     METRICS,
@@ -641,29 +642,32 @@ def _refused(
 
 def _what(request: web.Request) -> str:
     """The request line's method and path, the path cut so that a huge one
-    makes neither a huge log line nor a huge error message."""
-    path = request.path
+    makes neither a huge log line nor a huge error message. The path as sent
+    (``%2F`` kept): the decoded one hides why the router did not match it."""
+    path = request.rel_url.raw_path
     return f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
-    """The proxied routes' `Expect` handler: `100-continue` is answered as
-    aiohttp does, unless the declared body is past the limit: then the 413 at
-    once, so the client does not send it; any other expectation gets a 417.
-    Both in the OpenAI shape (aiohttp answers a 417 in plain text), logged and
-    counted here: no middleware runs for an answer given in place of `100`."""
+    """The proxied routes' `Expect` handler. A `100-continue` is not answered
+    here: it is marked CONTINUE_PENDING and the pipeline sends the 100 when it
+    reads the body (`send_continue`), so the refusals the head alone decides
+    (401, 415, 413 for a declared length) come first, as the final answer,
+    and the client never sends the body. On the edge FixedRoutes closes the
+    connection after such an answer, and refuses other expectations before
+    this runs; this 417, in the same shape, is for a plain aiohttp server:
+    logged and counted here, since no middleware runs for an answer given in
+    place of the handler's."""
     started = time.perf_counter()
     expect = request.headers.get("expect", "")
     if expect.lower() == "100-continue":
-        length, limit = request.content_length, request.client_max_size
-        if length is None or length <= limit:
-            await _default_expect_handler(request)
-            return None
-        error = body_too_large(limit)
-    else:
-        error = ApiError(417, "Expect: only 100-continue is supported", code="expectation_failed")
+        if request.version == HttpVersion11:  # RFC 9110: ignored from HTTP/1.0
+            request[CONTINUE_PENDING] = True
+        return None
+    error = ApiError(417, "Expect: only 100-continue is supported", code="expectation_failed")
     request_id = request.app[REQUEST_IDS].of(request.headers.get("x-request-id"))
     error.headers["x-request-id"] = request_id
+    error.headers[hdrs.SERVER] = SERVER_NAME
     refusals.refused(
         error.status,
         error.code,
@@ -685,16 +689,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         error.code or "",
         started,
     )
-    response = error.response()
-    if error.status == 413 and not request.content.total_bytes:
-        # The client waits for the 100 before it sends the body, and sends
-        # none after a final answer: marked as read, aiohttp closes the
-        # connection after the answer instead of waiting (lingering) for it.
-        # A body already on its way is read and dropped as usual: closing
-        # with unread bytes would reset the connection, 413 and all.
-        request.content.feed_eof()
-        response.force_close()
-    return response
+    return error.response()
 
 
 def record_unparsed(

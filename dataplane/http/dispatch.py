@@ -12,8 +12,8 @@ looks up (method, path) in a dict.
 
 Anything else takes the application's own path (`fallback`): a path with
 variable parts (`/v1/models/{model}`), one the router does not know (404) or
-knows for other methods (405), a request with `Expect` (the route's expect
-handler answers it), and every request of an application with
+knows for other methods (405), a request with `Expect: 100-continue` (the
+route's expect handler answers it), and every request of an application with
 sub-applications or old-style middlewares, which this does not flatten. A
 path is looked up as sent (`rel_url.raw_path`, without the query): one the
 router would match only after decoding falls back too.
@@ -23,6 +23,14 @@ returns the same awaitable as the handler's call, for the handler's usual
 case: FixedRoutes calls that one instead, so that the request's chain of
 awaits has no frame of the handler's own (aiohttp's router takes only
 coroutine functions).
+
+A request with any other expectation is refused here, on every path, with a
+417 through the app's middlewares (an OpenAI-style error with the house
+headers, logged and counted): aiohttp's expect handler raises its plain-text
+417 outside them. A proxied route that defers its `100 Continue`
+(CONTINUE_PENDING) and then refuses without the body gets its connection
+closed after the answer: the client sends no body after a final answer, and
+aiohttp would wait for one.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from functools import partial
 
 from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import PlainResource, UrlMappingMatchInfo
+
+from dataplane.http.errors import ApiError
+from dataplane.http.state import CONTINUE_PENDING
 
 __all__ = ["FixedRoutes", "with_direct"]
 
@@ -57,8 +68,10 @@ class FixedRoutes:
     a dict; freezing only stops `add_app`)."""
 
     def __init__(self, app: web.Application, fallback: Handler) -> None:
+        self._app = app
         self._fallback = fallback
         self._routes: dict[tuple[str, str], tuple[Handler, UrlMappingMatchInfo]] = {}
+        self._refuse: Handler | None = None
         if any(isinstance(r, web.PrefixedSubAppResource) for r in app.router.resources()) or any(
             getattr(m, "__middleware_version__", None) != 1 for m in app.middlewares
         ):
@@ -75,6 +88,10 @@ class FixedRoutes:
                     handler = partial(middleware, handler=handler)
                 # The first of two routes for one (method, path) wins, as in the router.
                 self._routes.setdefault((route.method, resource.canonical), (handler, info))
+        refuse: Handler = _expectation_failed
+        for middleware in reversed(app.middlewares):
+            refuse = partial(middleware, handler=refuse)
+        self._refuse = refuse
 
     def __len__(self) -> int:
         return len(self._routes)
@@ -86,8 +103,34 @@ class FixedRoutes:
         a wait: bench/instructions.py)."""
         assert isinstance(request, web.Request)  # made by the application's factory
         found = self._routes.get((request.method, request.rel_url.raw_path))
-        if found is None or hdrs.EXPECT in request.headers:
+        if hdrs.EXPECT in request.headers and self._refuse is not None:
+            return self._expecting(request, self._refuse)
+        if found is None:
             return self._fallback(request)
         handler, info = found
         request._match_info = info
         return handler(request)
+
+    async def _expecting(self, request: web.Request, refuse: Handler) -> web.StreamResponse:
+        """A request with `Expect`: a 417 unless it is `100-continue`, else the
+        router's path, closing after an answer given in place of the 100."""
+        if request.headers[hdrs.EXPECT].lower() != "100-continue":
+            info = await self._app.router.resolve(request)
+            info.add_app(self._app)
+            info.freeze()
+            request._match_info = info  # the endpoint it is counted under
+            return await refuse(request)
+        response = await self._fallback(request)
+        if request.get(CONTINUE_PENDING) and not request.content.total_bytes:
+            # Refused before the 100 (a 401, 413, 415): the client sends no
+            # body now. Marked as read, aiohttp closes the connection after the
+            # answer instead of waiting (lingering) for it. A body already on
+            # its way (a client that did not wait) is read and dropped as
+            # usual: closing with unread bytes would reset the connection.
+            request.content.feed_eof()
+            response.force_close()
+        return response
+
+
+async def _expectation_failed(request: web.Request) -> web.StreamResponse:
+    raise ApiError(417, "Expect: only 100-continue is supported", code="expectation_failed")

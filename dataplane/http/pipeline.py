@@ -78,7 +78,7 @@ from dataplane.http.resume import (
     counts_finishes,
     held_against,
 )
-from dataplane.http.state import REQUEST_ID, SERVER_NAME, Draining, stopping
+from dataplane.http.state import CONTINUE_PENDING, REQUEST_ID, SERVER_NAME, Draining, stopping
 from dataplane.metrics import Metrics
 from dataplane.placement.keys import SESSION_HEADER, Key, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
@@ -1447,6 +1447,11 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     raw = read_body_now(request, limit)
     if raw is not None:
         return raw
+    if request._state.get(CONTINUE_PENDING):
+        # The head passed every check: now the client may send the body.
+        del request._state[CONTINUE_PENDING]
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's: the answer's size excludes it
     try:
         raw = await request.read()
     except _UNREAD as exc:
@@ -1460,9 +1465,11 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     still coming, or has no declared length: await `read_body` then."""
     content_type = request.content_type
     if content_type != "application/json":
+        # aiohttp reports a missing header as application/octet-stream.
+        sent = hdrs.CONTENT_TYPE in request.headers
         raise ApiError(
             415,
-            f"Content-Type must be application/json, not {content_type or 'missing'}",
+            f"Content-Type must be application/json, not {content_type if sent else 'missing'}",
             code="unsupported_media_type",
         )
     # A declared length over the limit is refused before reading a byte;

@@ -75,3 +75,7 @@ PRINCIPAL = web.RequestKey("principal", Principal)
 # The origin call of a request outside the pipeline (a stored response's
 # route), for its access line.
 ORIGIN_CALL = web.RequestKey("origin_call", OriginCall)
+# Set by a proxied route's Expect handler on a `100-continue` it has not
+# answered yet: the pipeline sends the 100 when it reads the body, after the
+# refusals the head alone decides (auth, type, declared length); cleared then.
+CONTINUE_PENDING = web.RequestKey("continue_pending", bool)

@@ -419,6 +419,60 @@ async def test_expect_100_continue_with_a_body_past_the_limit_gets_the_413_at_on
     assert edge.origin_requests() == 0
 
 
+@pytest.mark.parametrize(
+    ("swap", "status", "code"),
+    [
+        ((b"Content-Type: application/json", b"Content-Type: text/plain"), 415, None),
+        ((b"Authorization: Bearer " + KEY.key.encode(), b"X-No: auth"), 401, "missing_api_key"),
+        ((b"Content-Length: %d" % len(BODY), b"Content-Length: 65537"), 413, "body_too_large"),
+    ],
+)
+async def test_expect_100_continue_refused_by_its_head_gets_no_100(
+    start_edge: Start, swap: tuple[bytes, bytes], status: int, code: str | None
+) -> None:
+    # The 100 goes out when the body is read, after auth and the head's
+    # checks: a refusal is the only answer, and the client sends no body.
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Expect: 100-continue").replace(*swap))
+    answer = await read_answer(reader)
+    assert answer.status == status, answer.status_line
+    if code is not None:
+        assert answer.error()["code"] == code
+    else:
+        answer.error()
+    assert answer.headers["server"] == "ponto"
+    assert answer.headers["x-request-id"]
+    assert answer.headers["connection"] == "close"
+    assert await closed(reader)
+    writer.close()
+    await writer.wait_closed()
+    assert edge.origin_requests() == 0
+
+
+@pytest.mark.parametrize(
+    "request_line", [b"GET /v1/models", b"GET /healthz", b"POST /nope", b"DELETE /v1/models"]
+)
+async def test_an_unknown_expectation_is_a_json_417_on_every_path(
+    start_edge: Start, capfd: pytest.CaptureFixture[str], request_line: bytes
+) -> None:
+    edge = await start_edge("--access-log=on")
+    reader, writer = await edge.connect()
+    writer.write(
+        request_line + b" HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer "
+        + KEY.key.encode() + b"\r\nExpect: bogus\r\n\r\n"
+    )  # fmt: skip
+    answer = await read_answer(reader)
+    writer.close()
+    await writer.wait_closed()
+    assert (answer.status, answer.error()["code"]) == (417, "expectation_failed")
+    assert answer.headers["server"] == "ponto"
+    request_id = answer.headers["x-request-id"]
+    edge.runner.app[ACCESS_LOG].flush()
+    lines = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+    assert [(x["status"], x["request_id"]) for x in lines] == [(417, request_id)]
+
+
 async def test_expect_100_continue_past_the_limit_with_the_body_already_sent_still_gets_the_413(
     start_edge: Start,
 ) -> None:

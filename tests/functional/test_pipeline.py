@@ -405,6 +405,21 @@ async def test_bad_requests_get_a_clear_error_and_reach_no_origin(
         await s.close()
 
 
+async def test_a_missing_content_type_is_called_missing(stack: Stack) -> None:
+    # aiohttp reports a missing Content-Type as application/octet-stream (RFC
+    # 9110's default), which the client never wrote.
+    resp = await stack.client.post(
+        "/v1/chat/completions",
+        data=b"{}",
+        headers={"authorization": f"Bearer {KEY.key}"},
+        skip_auto_headers=["Content-Type"],
+    )
+    assert resp.status == 415
+    err = error_of(await resp.json())
+    assert err["message"] == "Content-Type must be application/json, not missing"
+    assert stack.origin_requests() == 0
+
+
 async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\xff\xfe"}]}' % (
         MODEL.encode()

@@ -122,6 +122,17 @@ async def test_a_404_for_an_endpoint_without_v1_says_which_path_was_meant(
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None  # reached no origin
 
 
+async def test_a_404_names_the_path_as_sent_not_decoded(stack: Stack) -> None:
+    # The router matches the decoded path, so %2F is no separator and this is
+    # a 404; quoting the decoded path read as if /v1/chat/completions itself
+    # were missing.
+    resp = await stack.client.post("/v1/chat%2Fcompletions", headers=AUTH, json={"model": MODEL})
+    assert resp.status == 404
+    err = error_of(await resp.json())
+    assert err["message"].startswith("POST /v1/chat%2Fcompletions: Not Found")
+    assert stack.origins[0].app[SIM_STATE].stats.last_request is None
+
+
 @pytest.mark.parametrize(
     "path", ["/v1/moderations", "/v1/audio/transcriptions", "/v1/images/generations", "/v1/files"]
 )
