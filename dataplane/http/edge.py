@@ -1011,6 +1011,16 @@ class CodingNotSupported(BadHttpMessage):
     not RFC 9112's 501, as for the version."""
 
 
+class ChunkedInHttp10(BadHttpMessage):
+    """An HTTP/1.0 request with Transfer-Encoding, which HTTP/1.0 does not
+    have: RFC 9112 section 6.1 calls it faulty framing, to be answered and
+    the connection closed (a proxy before this one may have framed the body
+    otherwise: request smuggling). A 400, as the coding's."""
+
+
+# llhttp's error at a `PRI * HTTP/2.0` request line (only that method: an
+# Upgrade request is parsed as such).
+_H2_PREFACE: Final = "Pause on PRI/Upgrade"
 _TOO_LARGE = f"request head over {MAX_HEAD} bytes"
 # The Server line of an answer without one (_put_whole), as prepare() writes it.
 _SERVER_LINE: Final = f"{hdrs.SERVER}: {SERVER_SOFTWARE}\r\n".encode()
@@ -1027,6 +1037,8 @@ def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
         return None
     if message.version not in (HttpVersion11, HttpVersion10):
         return VersionNotSupported("HTTP version not supported")
+    if message.chunked and message.version is HttpVersion10:
+        return ChunkedInHttp10("Transfer-Encoding in HTTP/1.0")
     # One header at most: the parser refuses a second.
     if message.chunked and message.headers[hdrs.TRANSFER_ENCODING].strip().lower() != "chunked":
         return CodingNotSupported("transfer coding not supported")
@@ -1046,7 +1058,8 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
             f"bytes, and at most {MAX_FIELD} bytes in the request line and in each header",
             code="request_header_fields_too_large",
         )
-    if isinstance(exc, VersionNotSupported):
+    if isinstance(exc, VersionNotSupported) or exc.message.startswith(_H2_PREFACE):
+        # The preface of HTTP/2 with prior knowledge: llhttp pauses at it.
         return ApiError(
             400, "HTTP version not supported: send HTTP/1.1", code="http_version_not_supported"
         )
@@ -1055,6 +1068,12 @@ def parser_error(exc: HttpProcessingError) -> ApiError:
             400,
             "Transfer-Encoding not supported: send 'chunked' alone (a content coding goes in "
             "Content-Encoding)",
+            code="unsupported_transfer_encoding",
+        )
+    if isinstance(exc, ChunkedInHttp10):
+        return ApiError(
+            400,
+            "Transfer-Encoding in an HTTP/1.0 request: send HTTP/1.1, or a Content-Length",
             code="unsupported_transfer_encoding",
         )
     if isinstance(exc, BadHttpMethod):

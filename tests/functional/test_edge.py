@@ -255,6 +255,19 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
         # Trial 28: taken by the parser, served, and the version repeated.
         (head(CHAT).replace(b"HTTP/1.1", b"HTTP/2.0") + BODY, 400, "http_version_not_supported"),
         (b"GET /v1/models HTTP/0.9\r\nHost: p\r\n\r\n", 400, "http_version_not_supported"),
+        # HTTP/2 with prior knowledge (curl --http2-prior-knowledge): llhttp
+        # stops at the preface, which read as a malformed request.
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, "http_version_not_supported"),
+        # HTTP/1.0 has no chunked coding (RFC 9112 6.1: faulty framing, a
+        # smuggling risk behind a proxy that reads it otherwise).
+        (
+            head(CHAT, b"Transfer-Encoding: chunked", length=None).replace(
+                b"HTTP/1.1", b"HTTP/1.0", 1
+            )
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY),
+            400,
+            "unsupported_transfer_encoding",
+        ),
         # Trial 28: read as chunked alone, the gzip ignored.
         (
             head(CHAT, b"Transfer-Encoding: gzip, chunked", length=None)
@@ -276,6 +289,8 @@ async def test_a_body_not_received_by_the_deadline_gets_a_408(
         "bad-version",
         "http-2.0",
         "http-0.9",
+        "h2-prior-knowledge",
+        "http-1.0-chunked",
         "gzip-chunked",
     ],
 )
