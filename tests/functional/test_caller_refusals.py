@@ -199,12 +199,14 @@ async def test_a_refusal_cannot_write_a_line_of_its_own_into_the_log(
     resp = await stack.client.get(path, headers=authorizations(KEY.key))
     assert resp.status == 404
     body = chat("hi")
-    body["messages"][0]["role"] = "user\n" + forged
+    body["messages"][0]["role"] = "user\r\x1b[31mRED\x00\n" + forged
     resp = await stack.post(body)
     assert resp.status == 400 and error_of(await resp.json())["param"] == "messages[0].role"
     lines = [r.getMessage() for r in refusal_lines(caplog)]
     assert len(lines) == 2
     for line in lines:
         assert not any(c in line for c in "\n\r\x1b\x00"), line
-        assert "\\n2026-12-04T23:59:59.000Z WARNING" in line
-    assert "\\r\\x1b[31mRED\\x00" in lines[0]
+    # The path as sent, its escapes kept (the decoded one hid a %2F).
+    assert path in lines[0]
+    assert "\\n2026-12-04T23:59:59.000Z WARNING" in lines[1]
+    assert "\\r\\x1b[31mRED\\x00" in lines[1]
