@@ -74,7 +74,7 @@ CONTROL_FLAGS = _number_flags(control_settings.parse)
 def test_the_proxys_timeouts_and_rates_are_among_them() -> None:
     wanted = {"--header-timeout", "--deadline", "--cache-ttl", "--drain-seconds"}
     assert wanted | {"--worker-hang-timeout"} <= set(PROXY_FLAGS)
-    assert len(PROXY_FLAGS) == 17  # --origin-queue-timeout the last added
+    assert len(PROXY_FLAGS) == 18  # --stream-hold-seconds the last added
 
 
 @pytest.mark.parametrize("flag", PROXY_FLAGS)
