@@ -223,7 +223,8 @@ def client_ip(
 
     * ``X-Forwarded-For``, all lines joined in order, split on commas, or the
       ``for=`` parameters of RFC 7239 ``Forwarded``. If both headers are
-      present each is walked; when they name the same client it is returned,
+      present each is walked; one that names no one past the peer counts as
+      absent; when they name the same client it is returned,
       when they disagree neither is believed and the peer is returned (a
       balancer that writes one header passes the client's forged copy of
       the other through).
@@ -257,6 +258,15 @@ def client_ip(
     # which. If they name different clients one of them is forged; believe
     # neither and fall back to the peer, which nobody can forge.
     by_fwd = _walk(addr, fwd, _forwarded_element_node, trusted)
+    # One that vouches for nobody past the peer (no `for=`, `for=unknown`,
+    # `_hidden`) is as absent, not a disagreement (review 314: such a
+    # Forwarded sent every client behind it to the balancer's region). The
+    # header a trusted proxy writes names the client it saw, so a client
+    # cannot empty it.
+    if by_fwd == addr:
+        return by_xff
+    if by_xff == addr:
+        return by_fwd
     return by_xff if by_xff == by_fwd else addr
 
 

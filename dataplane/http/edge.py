@@ -1037,7 +1037,7 @@ def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
         return None
     if message.version not in (HttpVersion11, HttpVersion10):
         return VersionNotSupported("HTTP version not supported")
-    if message.chunked and message.version is HttpVersion10:
+    if message.chunked and message.version == HttpVersion10:
         return ChunkedInHttp10("Transfer-Encoding in HTTP/1.0")
     # One header at most: the parser refuses a second.
     if message.chunked and message.headers[hdrs.TRANSFER_ENCODING].strip().lower() != "chunked":

@@ -944,6 +944,12 @@ class Pipeline:
         # kept), unless the body is too large to parse before sending.
         entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
         answer: web.Response | None = None
+        if ex.stream and not parsed and ex.held is not None and origin.status < 300:
+            # Its stream's head went out: a large whole answer (not parsed
+            # before sending) is parsed now, to follow it as frames (review
+            # 314: it was the stream's error event, and charged).
+            obj = jsonio.loads_or_none(body)
+            parsed = obj is not None
         if ex.stream and parsed:
             # Asked for a stream, answered whole (an origin that ignores
             # `stream`): the client gets the stream it asked for.

@@ -21,7 +21,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import HttpVersion11, hdrs, web
 from multidict import CIMultiDict
@@ -802,6 +802,12 @@ async def prepare_held(request: web.Request, ex: Exchange, out: web.StreamRespon
     await _prepare_stream(out, request, ex)
 
 
+NOT_A_STREAM: Final = (
+    "The model's server answered a stream request with a whole answer that could not be "
+    "sent as a stream."
+)
+
+
 async def held_failed(
     ex: Exchange, out: web.StreamResponse, error: dict[str, Any], recorded: str
 ) -> web.StreamResponse:
@@ -812,7 +818,9 @@ async def held_failed(
     a cut stream ends: the status was sent, and was 200. `recorded`: the
     error the access log and the metrics give it (ex.stream_error)."""
     ex.stream_error = recorded
-    ex.chunk_sent()
+    # No chunk of an answer: no time-to-first-chunk sample (review 314: a
+    # stream no origin answered went into the TTFT histogram at the time
+    # failover gave up), as the 502 it stands for had none.
     if ex.endpoint.name == "responses":
         ending = responses_error_event(0, error)
     else:
@@ -848,7 +856,10 @@ async def into_held(
     else:
         parsed = jsonio.loads_or_none(body)
         error = parsed.get("error") if isinstance(parsed, dict) else None
-        if not isinstance(error, dict):
+        if not isinstance(error, dict) and answer.status < 300:
+            # An answer, but none the proxy can make a stream of.
+            error = {"message": NOT_A_STREAM, "type": "upstream_error"}
+        elif not isinstance(error, dict):
             error = {"message": UPSTREAM_REFUSED, "type": "upstream_error"}
         error.setdefault("param", None)
         error.setdefault("code", None)

@@ -147,15 +147,18 @@ async def test_a_failure_after_the_head_is_the_streams_error_event(
     line = await access_line(p, capfd)
     assert (line["status"], line["error"]) == (200, "upstream_unavailable")
     assert operations(p).get(("upstream_unavailable", "r0")) == 1
+    # No chunk of an answer went out: no time to a first one (review 314).
+    assert line["ttft_ms"] is None
 
 
-@pytest.mark.parametrize("status", [400, 200])
+@pytest.mark.parametrize(("status", "text"), [(400, ""), (200, "world"), (200, "w" * (1 << 20))])
 async def test_a_whole_answer_after_the_head_follows_it_as_the_stream(
-    proxy: Callable[..., Awaitable[Proxy]], status: int
+    proxy: Callable[..., Awaitable[Proxy]], status: int, text: str
 ) -> None:
     """An origin that answers whole once the head is out: its error (400) is
     the stream's error event, its answer (an origin that ignored `stream`)
-    the stream's events."""
+    the stream's events, a large one too (review 314: one over 1 MiB, not
+    parsed before sending, was an error event)."""
     thinking = asyncio.Event()
 
     async def whole(request: web.Request) -> web.StreamResponse:
@@ -168,7 +171,7 @@ async def test_a_whole_answer_after_the_head_follows_it_as_the_stream(
         return web.json_response({
             "id": "w", "object": "chat.completion", "created": 1, "model": MODEL,
             "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "world"}}],
+                         "message": {"role": "assistant", "content": text}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
         })  # fmt: skip
 
@@ -185,7 +188,7 @@ async def test_a_whole_answer_after_the_head_follows_it_as_the_stream(
         [only] = events
         assert only["error"]["message"] == "bad temperature"
     else:
-        assert text_of(events) == "world" and not any("error" in e for e in events)
+        assert text_of(events) == text and not any("error" in e for e in events)
 
 
 async def test_a_stream_answered_within_the_hold_has_its_origins_head(

@@ -502,6 +502,22 @@ def test_forwarding_headers_that_disagree_are_both_disbelieved() -> None:
     assert client_ip("10.0.0.1", headers, PROXIES) == addr("10.0.0.1")
 
 
+@pytest.mark.parametrize(
+    "forwarded", ["proto=https;host=api.example.com", "for=unknown", "for=_hidden"]
+)
+def test_a_forwarded_header_that_names_no_client_leaves_x_forwarded_for_believed(
+    forwarded: str,
+) -> None:
+    # Review 314: it counted as a disagreement, and every client behind such
+    # a chain was placed and logged as the balancer.
+    for headers in (
+        multi(("X-Forwarded-For", "203.0.113.7"), ("Forwarded", forwarded)),
+        # And the other way round.
+        multi(("X-Forwarded-For", "unknown"), ("Forwarded", "for=203.0.113.7")),
+    ):
+        assert client_ip("10.0.0.5", headers, PROXIES) == addr("203.0.113.7")
+
+
 def test_forwarding_headers_that_agree_are_believed() -> None:
     headers = multi(
         ("Forwarded", 'for=198.51.100.66, for="[2001:db8::7]", for=10.1.1.1'),
