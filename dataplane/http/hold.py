@@ -37,7 +37,10 @@ class HeldHead:
 
     A request that gets its answer within the hold costs one timer, armed and
     cancelled; nothing else. `make` makes the head's response (status 200
-    and the stream's headers), `prepare` sends it."""
+    and the stream's headers), `prepare` sends it. `sent`: a head sent
+    already (a coalesced follower's, whose flight failed before an event:
+    its own call then goes on behind it), whose comments go on, the first
+    `every_s` after this is made."""
 
     __slots__ = ("_every_s", "_make", "_prepare", "_task", "_timer", "out")
 
@@ -47,14 +50,15 @@ class HeldHead:
         make: Callable[[], web.StreamResponse],
         prepare: Callable[[web.StreamResponse], Awaitable[None]],
         every_s: float = KEEP_ALIVE_EVERY_S,
+        sent: web.StreamResponse | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._make = make
         self._prepare = prepare
         self._every_s = every_s
         self._task: asyncio.Task[None] | None = None
-        self.out: web.StreamResponse | None = None  # once the head is sent
-        self._timer = loop.call_later(hold_s, self._commit)
+        self.out: web.StreamResponse | None = sent  # once the head is sent
+        self._timer = loop.call_later(hold_s if sent is None else every_s, self._commit)
 
     def _commit(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._beat())
@@ -62,8 +66,10 @@ class HeldHead:
     async def _beat(self) -> None:
         # Known before it is sent: a stop during `prepare` may find the
         # head begun, and the rest of the stream must follow it.
-        out = self.out = self._make()
-        await self._prepare(out)
+        out = self.out
+        if out is None:
+            out = self.out = self._make()
+            await self._prepare(out)
         while True:
             # At once too: a head alone may wait in the connection's buffer.
             await out.write(KEEP_ALIVE)
@@ -76,16 +82,15 @@ class HeldHead:
         caller's next write to find so."""
         self._timer.cancel()
         task = self._task
-        if task is None:
-            return None
-        task.cancel()
-        # Not `await task`: a cancellation of the caller's own must not be
-        # taken for the task's.
-        await asyncio.wait((task,))
-        exc = None if task.cancelled() else task.exception()
-        if exc is not None and not isinstance(exc, ConnectionError):
-            raise exc  # a bug of the head's: a client gone is found by the next write
-        out = self.out
+        if task is not None:
+            task.cancel()
+            # Not `await task`: a cancellation of the caller's own must not be
+            # taken for the task's.
+            await asyncio.wait((task,))
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None and not isinstance(exc, ConnectionError):
+                raise exc  # a bug of the head's: a client gone is found by the next write
+        out = self.out  # `sent`, when no comment was due yet
         return out if out is not None and out.prepared else None
 
     def abandon(self) -> None:

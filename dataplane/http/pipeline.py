@@ -747,11 +747,14 @@ class Pipeline:
         ended."""
         hold_s = self.stream_hold_s
         held = None
-        if ex.held is None and hold_s is not None:
+        if hold_s is not None:
+            # With a head sent (a flight it followed failed before an event),
+            # its comments go on while its own call waits (review 314).
             held = HeldHead(
                 hold_s,
                 partial(reply.held_head, ex, plan.outcome),
                 partial(reply.prepare_held, request, ex),
+                sent=ex.held,
             )
         try:
             origin = await self.forward(ex, self.hedge_for(ex))

@@ -614,9 +614,14 @@ async def follow(
     headers = [*ex.response_headers("hit"), ("x-ponto-coalesced", "1")]
     out: web.StreamResponse | None = None
     hold = None
-    if ex.stream and ex.held is None and hold_s is not None:
+    if ex.stream and hold_s is not None:
+        # With a head sent (an earlier flight it followed failed before an
+        # event), its comments go on while it waits (review 314: none came).
         hold = HeldHead(
-            hold_s, partial(_follower_head, ex, headers), partial(prepare_held, request, ex)
+            hold_s,
+            partial(_follower_head, ex, headers),
+            partial(prepare_held, request, ex),
+            sent=ex.held,
         )
     # The client has the answer's last event (its [DONE]): nothing more is
     # written to it but the stream's end, whatever comes of the flight.

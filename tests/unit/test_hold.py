@@ -68,3 +68,28 @@ async def test_a_caller_cancelled_while_it_stops_the_head_stays_cancelled() -> N
     stopping.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stopping
+
+
+async def test_a_head_sent_already_goes_on_with_its_comments_and_is_not_sent_again() -> None:
+    """Review 314: a coalesced follower whose flight failed before an event
+    had its head and then nothing while its own call thought: an
+    intermediary's read timeout cut it."""
+    head = Head()
+    head.sent.set()  # an earlier hold's
+    made: list[int] = []
+
+    def make() -> web.StreamResponse:
+        made.append(1)
+        return Head()
+
+    async def prepare(out: web.StreamResponse) -> None:
+        made.append(2)
+
+    # Stopped before its first comment: the head is still the one sent.
+    assert await HeldHead(3600, make, prepare, every_s=3600, sent=head).stop() is head
+    held = HeldHead(3600, make, prepare, every_s=0, sent=head)
+    async with asyncio.timeout(5):  # a bound on a broken test
+        while not head.writes:
+            await asyncio.sleep(0)
+    assert await held.stop() is head
+    assert head.writes == [KEEP_ALIVE] and made == []
