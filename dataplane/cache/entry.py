@@ -307,6 +307,9 @@ class StreamRecorder:
         self._kind: ResponseKind | None = None
         self._model = ""
         self._done = False
+        # The last chunk kept whose one choice's delta is `{"content": text}`,
+        # around that text (`_same_but_text`), or None.
+        self._like: tuple[bytes, bytes] | None = None
         self.reason: str | None = None
         # Recording stopped at max_bytes (`ponto_cache_unkept_total`'s too_large).
         self.too_large = False
@@ -435,6 +438,27 @@ class StreamRecorder:
         if ev.done:
             self._done = True
             return
+        like = self._like
+        if like is not None:
+            # The chunk `head` and `tail` were cut from (`_around_text`) with
+            # another text in its delta, a JSON string without `\\u` escapes:
+            # parsed, it would be that chunk with another string where no
+            # check below looks but at its type, so it is kept as that chunk
+            # was, unparsed (most chunks of a vLLM stream differ in their text
+            # alone; an OpenAI stream's `obfuscation` differs too, and is
+            # parsed). A few C calls, inline: this runs per chunk.
+            head, tail = like
+            end = len(payload) - len(tail)
+            if (
+                end >= len(head)
+                and payload.startswith(head)
+                and payload.endswith(tail)
+                and _TEXT_BODY.fullmatch(payload, len(head), end) is not None
+                and (payload.isascii() or _utf8(payload))
+            ):
+                self._keep(payload)
+                return
+            self._like = None
         try:
             obj = jsonio.loads(payload)
         except jsonio.JSONDecodeError:
@@ -498,12 +522,49 @@ class StreamRecorder:
             self._usage_seen = True
             if not choices:
                 self._usage_only.add(len(self._chunks))
+        elif (
+            len(choices) == 1 and type(d) is dict and len(d) == 1 and type(d.get("content")) is str
+        ):
+            self._like = _around_text(payload)
+        self._keep(payload)
+
+    def _keep(self, payload: bytes) -> None:
         self._size += len(payload) + CHUNK_OVERHEAD
         if self._max_bytes is not None and self._size > self._max_bytes:
             self._fail(f"larger than {self._max_bytes} bytes")
             self.too_large = True
             return
         self._chunks.append(payload)
+
+
+# A JSON string's body without `\u` escapes (which may be lone surrogates).
+_TEXT_BODY: Final = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*')
+_DELTA_TEXT: Final = b'"delta":{"content":"'
+
+
+def _around_text(payload: bytes) -> tuple[bytes, bytes] | None:
+    """`payload` (a chunk kept, whose one choice's delta is `{"content":
+    text}`, with no usage) before and after that text, or None when it is
+    not found once, compact, without escapes (`_TEXT_BODY`). A `"delta":`
+    key can be no string's bytes (a string's quotes are escaped), so the
+    text found is a delta's: the choice's, or one nested where no check of
+    StreamRecorder.event looks."""
+    at = payload.find(_DELTA_TEXT)
+    if at < 0 or payload.find(_DELTA_TEXT, at + 1) >= 0:
+        return None
+    start = at + len(_DELTA_TEXT)
+    text = _TEXT_BODY.match(payload, start)
+    if text is None or payload[text.end() : text.end() + 1] != b'"':
+        return None
+    return payload[:start], payload[text.end() :]
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _chunk_kind(obj: dict[str, Any]) -> ResponseKind | None:

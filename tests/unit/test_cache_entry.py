@@ -15,6 +15,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from dataplane.cache import entry as entry_module
 from dataplane.cache.entry import (
     DONE_FRAME,
     CachedResponse,
@@ -28,6 +29,7 @@ from dataplane.cache.entry import (
     unkept_reason,
 )
 from dataplane.http.errors import stream_broken_event
+from dataplane.streaming.sse import Event
 
 NOW = 1000.0
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
@@ -886,3 +888,57 @@ def test_an_object_in_one_delta_is_kept_whole_and_choices_are_apart() -> None:
     ]
     body = orjson.loads(to_completion(recorded(sse(stream))))
     assert [c["message"]["widget"] for c in body["choices"]] == [{"a": [1]}] * 2
+
+
+# ---------------------------------------------------------------------------
+# A chunk that differs from the last kept only in its text is kept unparsed
+
+
+_ROLE = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'  # noqa: E501
+_TEXT = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}'  # noqa: E501
+_LAST = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'  # noqa: E501
+# Texts a parse would take or refuse: escapes, a lone surrogate, raw control
+# bytes and quotes, UTF-8 and not, a key's bytes.
+_TEXTS = [b"plain", b"", b"a\\nb", b'say \\"hi\\"', b"\\u00e9", b"\\ud800", b"tab\there",
+          b"new\nline", b'un"quoted', b"caf\xc3\xa9", b"bad \xff utf8", b"back\\", b"\\x",
+          b'"},"finish_reason":"length"}],"x":{"a":"', b"\\/ok", b"\x7f"]  # fmt: skip
+
+
+def _recorded(payloads: list[bytes], *, unparsed: bool) -> tuple[object, ...]:
+    recorder = StreamRecorder(store_truncated=True)
+    for data in payloads:
+        recorder.event(Event(data))
+        if not unparsed:
+            recorder._like = None  # the next chunk is parsed
+    recorder.event(Event(b"[DONE]"))
+    entry = recorder.finish(now=NOW)
+    return (recorder.reason, entry and entry.chunks, entry and entry.usage_only)
+
+
+@pytest.mark.parametrize("second", _TEXTS)
+@pytest.mark.parametrize("first", _TEXTS)
+def test_a_chunk_kept_unparsed_is_kept_as_parsed(first: bytes, second: bytes) -> None:
+    payloads = [_ROLE, _TEXT % first, _TEXT % second, _TEXT % b"third", _LAST]
+    assert _recorded(payloads, unparsed=True) == _recorded(payloads, unparsed=False)
+
+
+def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[bytes] = []
+    real = entry_module.jsonio.loads
+
+    def loads(data: bytes | str) -> Any:
+        parsed.append(data if isinstance(data, bytes) else data.encode())
+        return real(data)
+
+    monkeypatch.setattr(entry_module.jsonio, "loads", loads)
+    texts = [_TEXT % t for t in (b"one", b" two", b" caf\xc3\xa9", b" \\u00e9")]
+    recorder = StreamRecorder()
+    for data in [_ROLE, *texts, _LAST, b"[DONE]"]:
+        recorder.event(Event(data))
+    entry = recorder.finish(now=NOW)
+    assert entry is not None and entry.chunks == (_ROLE, *texts, _LAST)
+    # The role chunk, the first text (a delta of text alone), the one with
+    # a `\\u` escape, and the last.
+    assert parsed == [_ROLE, texts[0], texts[3], _LAST]
