@@ -16,8 +16,20 @@ What it answers: every request, whatever its method, path and body, gets
 ``200`` with ANSWER, an OpenAI ``chat.completion`` for CANNED_MODEL with
 ``finish_reason: "length"`` and ``usage``, so that Ponto counts its tokens and
 its exact cache stores it (store_truncated) exactly as it does the simulator's
-answers. Non-streaming only: the body is fixed, so a request that asks for a
-stream still gets this JSON (the wrk phases send non-streaming bodies).
+answers. The body is fixed, so a request that asks for a stream still gets
+this JSON (the wrk phases send non-streaming bodies).
+
+Streams, for bench/instructions.py's stream mode: with ``streams=(16, 64)``
+the paths under ``/s16/`` and ``/s64/`` answer every request with
+``stream_answer(16)`` and ``stream_answer(64)`` as ``text/event-stream``: an
+OpenAI/vLLM chat stream of that many content events (a role event first, a
+finishing event, a usage event and ``data: [DONE]`` after them), for the
+model ``stream_model(n)`` (register ``STREAM_URL`` of each as an origin of
+its own). nginx cannot read the body to tell a streamed request from another,
+so a stream is told by its path; and it sends the answer as one body with a
+Content-Length, written at once, so a proxy reads all its events in one or a
+few reads, where an origin that generates sends about one event a read: what
+such a stream measures is the work per event, not per read.
 
 nginx runs as one master and one worker (``worker_processes 1``), in the
 foreground, with every file it writes (pid, error log, temporary bodies)
@@ -60,6 +72,44 @@ ANSWER = json.dumps(
     },
     separators=(",", ":"),
 )
+
+
+def stream_model(tokens: int) -> str:
+    """The model whose streams have `tokens` content events (see the module)."""
+    return f"{CANNED_MODEL}-s{tokens}"
+
+
+def stream_path(tokens: int) -> str:
+    """The path prefix that answers streams of `tokens` content events; the
+    origin's base URL is this and ``v1``."""
+    return f"/s{tokens}/"
+
+
+def stream_answer(tokens: int) -> str:
+    """A chat completion stream as vLLM sends it when asked for usage
+    (`stream_options.include_usage`): a role event, `tokens` events of one
+    token of content each, a finishing event (`finish_reason: "length"`, so
+    that a cache that stores truncated answers records it), a usage event with
+    no choices, and `data: [DONE]`; LF line endings, each event its own."""
+    head = {"id": "chatcmpl-canned", "object": "chat.completion.chunk", "created": 1,
+            "model": stream_model(tokens)}  # fmt: skip
+
+    def event(choices: list[dict[str, object]], **extra: object) -> str:
+        return "data: " + json.dumps({**head, "choices": choices, **extra},
+                                     separators=(",", ":")) + "\n\n"  # fmt: skip
+
+    def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, object]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    events = [event([choice({"role": "assistant", "content": ""})])]
+    events += [event([choice({"content": " pong"})]) for _ in range(tokens)]
+    events.append(event([choice({}, "length")]))
+    usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+    events.append(event([], usage=usage))
+    events.append("data: [DONE]\n\n")
+    return "".join(events)
+
+
 INSTALL_HINT = "apt-get install -y nginx-light (as root; `make bench` does it)"
 # Debian installs nginx in /usr/sbin, which a user's PATH often lacks.
 SBIN_NGINX = Path("/usr/sbin/nginx")
@@ -93,10 +143,12 @@ def nginx_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def config(workdir: Path, port: int, answer: str = ANSWER) -> str:
+def config(workdir: Path, port: int, answer: str = ANSWER, streams: tuple[int, ...] = ()) -> str:
     """nginx.conf for a canned origin on HOST:`port`, its files inside `workdir`
-    (an absolute path); see the module docstring."""
+    (an absolute path), with a location for each of `streams`; see the module
+    docstring."""
     d = workdir
+    locations = "".join(_stream_location(n) for n in streams)
     return f"""\
 worker_processes 1;
 daemon off;
@@ -119,10 +171,29 @@ http {{
         location / {{
             default_type application/json;
             return 200 {nginx_string(answer)};
-        }}
+        }}{locations}
     }}
 }}
 """
+
+
+# nginx reads a config token of at most about 4 KB: a longer answer is set in
+# pieces of this many characters, and returned as their concatenation.
+PIECE_CHARS = 3000
+
+
+def _stream_location(tokens: int) -> str:
+    answer = stream_answer(tokens)
+    pieces = [answer[at : at + PIECE_CHARS] for at in range(0, len(answer), PIECE_CHARS)]
+    sets = "".join(
+        f"\n            set $s{tokens}_{i} {nginx_string(piece)};" for i, piece in enumerate(pieces)
+    )
+    joined = "".join(f"$s{tokens}_{i}" for i in range(len(pieces)))
+    return f"""
+        location {stream_path(tokens)} {{
+            default_type text/event-stream;{sets}
+            return 200 "{joined}";
+        }}"""
 
 
 class CannedOrigin:
@@ -141,11 +212,13 @@ class CannedOrigin:
         *,
         cpus: set[int] | None = None,
         answer: str = ANSWER,
+        streams: tuple[int, ...] = (),
         timeout: float = 10.0,
     ) -> None:
         self.workdir = workdir.resolve()
         self.cpus = cpus
         self.answer = answer
+        self.streams = streams
         self.timeout = timeout
         self.address = ""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -178,7 +251,7 @@ class CannedOrigin:
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = free_port(HOST)
         conf = self.workdir / "nginx.conf"
-        conf.write_text(config(self.workdir, port, self.answer))
+        conf.write_text(config(self.workdir, port, self.answer, self.streams))
         self.address = f"{HOST}:{port}"
         # -e: the error log before the config is read (else nginx tries /var/log/nginx).
         argv = [binary, "-c", str(conf), "-p", f"{self.workdir}/",

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.instructions [--warmup 300] [--requests 1000]
         [--targets passthrough,defaults,features] [--keep DIR] [--top 0]
+        [--stream-tokens 16,64]
 
 Why: CPU time per request (bench/compare.py) moves by 10-20 % from run to run
 on a shared two-CPU machine; the number of instructions a server executes for
@@ -53,9 +54,27 @@ N costliest C functions (inclusive) of each Ponto target are printed. Python
 frames all run inside CPython's evaluator, so for a Python-level breakdown use
 bench/profile.py (py-spy) or cProfile in process; this tool gives the totals.
 
+Streams (`--stream-tokens 16,64`): every request asks for a stream
+(``"stream": true``), and nginx answers each size with a chat stream of that
+many content events (bench/canned.py's stream_answer: a role event, N
+content events, a finishing event, a usage event and ``data: [DONE]``, as
+vLLM sends it), from an origin of its own (a model per size, for Ponto; a
+path per size, for the pass-through, which relays it chunk by chunk). Each
+server is started once and counted once per size, in windows of their own
+(`--requests` each, after `--warmup` uncounted requests of the first size
+and a tenth of that of each other), each less the idle rate over its seconds.
+Printed: instructions per request of each size, and from the first two
+sizes each target's cost per event, (I(N2) - I(N1)) / (N2 - N1), and its
+ratio to the pass-through's. nginx writes each answer at once, so a server
+reads its events in one or a few reads where a generating origin sends about
+one a read: the slope is the work per event (parsing, counting, recording,
+re-framing), not per read (a wake-up, a read and a write each, which the
+pass-through pays as well). In stream mode `--warmup` defaults to 100 and
+`--requests` to 300.
+
 Bounded in time: valgrind runs Python some 50x slower, and the defaults take
 about 3 minutes on a quiet machine (three start-ups, 3 x 10 s idle, 3 x 1,300
-requests). Needs valgrind (Debian
+requests); stream mode with 16,64 about 4 minutes. Needs valgrind (Debian
 package ``valgrind``) and nginx (``make nginx``).
 """
 
@@ -104,6 +123,7 @@ class Count:
     instructions: int
     seconds: float  # wall time of the counted window (valgrind's, not the server's speed)
     idle_per_s: float = 0.0  # instructions a second without requests (see the module)
+    tokens: int = 0  # content events of each streamed answer (0: whole answers)
 
     @property
     def raw_per_request(self) -> float:
@@ -144,22 +164,53 @@ def total_instructions(path: Path) -> int:
     raise RuntimeError(f"{path}: no totals line")
 
 
+@dataclass
+class Window:
+    """What a counted window sends: `body` (with "{i}" for each request's index)
+    to `url`; streams of `tokens` content events, or whole answers (0)."""
+
+    url: str
+    body: bytes = CANNED_BODY
+    tokens: int = 0
+    # Uncounted requests first (the first window's are the warm-up).
+    warmup: int = 0
+
+
+def stream_body(tokens: int) -> bytes:
+    """CANNED_BODY asking for a stream of the canned origin's `tokens`-event answers."""
+    model = f'"model": "{canned.CANNED_MODEL}"'.encode()
+    assert model in CANNED_BODY
+    streamed = f'"model": "{canned.stream_model(tokens)}", "stream": true'.encode()
+    return CANNED_BODY.replace(model, streamed)
+
+
 class Client:
     """One keep-alive HTTP/1.1 connection sending chat completions one at a time."""
 
-    def __init__(self, url: str, headers: Header) -> None:
+    def __init__(self, url: str, headers: Header, body: bytes = CANNED_BODY) -> None:
         rest = url.removeprefix("http://")
         host_port, _, path = rest.partition("/")
         host, _, port = host_port.rpartition(":")
         self.path = "/" + path
+        self.body = body
+        self.stream = False
         self.headers = {"Content-Type": "application/json", **dict(headers)}
         self.conn = http.client.HTTPConnection(host, int(port), timeout=REQUEST_S)
 
+    def aim(self, window: Window) -> None:
+        """Send `window`'s body to its path from now on (same host and port)."""
+        self.path = "/" + window.url.removeprefix("http://").partition("/")[2]
+        self.body = window.body
+        self.stream = window.tokens > 0
+
     def send(self, index: int) -> None:
-        """Request `index` (its own prompt); raises RuntimeError unless it answers 200."""
+        """Request `index` (its own prompt); raises RuntimeError unless it answers
+        200 (and, for a stream, unless the stream ends with `data: [DONE]`)."""
         status, data = self._post(index)
         if status != 200:
             raise RuntimeError(f"request {index}: HTTP {status}: {data[:300]!r}")
+        if self.stream and not data.rstrip().endswith(b"data: [DONE]"):
+            raise RuntimeError(f"request {index}: a stream cut: {data[-300:]!r}")
 
     def first(self, limit: float = READY_S) -> None:
         """Request 0, retried while it answers 429 for up to `limit` seconds: a proxy
@@ -172,7 +223,7 @@ class Client:
             raise RuntimeError(f"request 0: HTTP {status[0]}: {status[1][:300]!r}")
 
     def _post(self, index: int) -> tuple[int, bytes]:
-        body = CANNED_BODY.replace(b"{i}", str(index).encode())
+        body = self.body.replace(b"{i}", str(index).encode())
         self.conn.request("POST", self.path, body, self.headers)
         resp = self.conn.getresponse()
         return resp.status, resp.read()
@@ -182,36 +233,62 @@ class Client:
 
 
 def count(
-    name: str, server: Managed, url: str, headers: Header, out: Path, args: argparse.Namespace
-) -> Count:
-    """Warm `server` up, count `args.requests` requests, stop it; see the module docstring."""
+    name: str,
+    server: Managed,
+    windows: Sequence[Window],
+    headers: Header,
+    out: Path,
+    args: argparse.Namespace,
+) -> list[Count]:
+    """Warm `server` up, count `args.requests` requests in each of `windows`
+    (the first's warm-up before the idle count, the others' just before
+    their own window), stop it; see the module docstring."""
     pid = server.proc.pid
-    client = Client(url, headers)
+    client = Client(windows[0].url, headers, windows[0].body)
+    index = 0  # each request's own prompt, across windows
+
+    def send(requests: int) -> None:
+        nonlocal index
+        for _ in range(requests):
+            client.send(index)
+            index += 1
+
+    windows_s: list[float] = []
     try:
-        client.first()
-        for i in range(1, args.warmup):
-            client.send(i)
-        if args.idle:
+        for n, window in enumerate(windows):
+            client.aim(window)
+            if n == 0:
+                client.first()
+                index = 1
+                send(window.warmup - 1)
+                if args.idle:
+                    monitor(out, pid, "instrumentation on")
+                    time.sleep(args.idle)
+                    monitor(out, pid, "instrumentation off")
+                    monitor(out, pid, "dump idle")
+                    monitor(out, pid, "zero")
+            else:
+                send(window.warmup)
+                monitor(out, pid, "zero")  # the warm-up's, counted with instrumentation off
             monitor(out, pid, "instrumentation on")
-            time.sleep(args.idle)
+            started = time.monotonic()
+            send(args.requests)
+            windows_s.append(time.monotonic() - started)
             monitor(out, pid, "instrumentation off")
-            monitor(out, pid, "dump idle")
-            monitor(out, pid, "zero")
-        monitor(out, pid, "instrumentation on")
-        started = time.monotonic()
-        for i in range(args.warmup, args.warmup + args.requests):
-            client.send(i)
-        seconds = time.monotonic() - started
-        monitor(out, pid, "instrumentation off")
-        monitor(out, pid, "dump counted")
+            monitor(out, pid, f"dump counted-{n}")
     finally:
         client.close()
         server.stop()
     files = dumps(out)
     idle_per_s = total_instructions(files[0]) / args.idle if args.idle else 0.0
-    print(f"{name}: {idle_per_s:,.0f} idle instructions a second; counted window {seconds:.1f} s",
+    counted = files[-len(windows) :]
+    seconds = ", ".join(f"{s:.1f}" for s in windows_s)
+    print(f"{name}: {idle_per_s:,.0f} idle instructions a second; counted windows {seconds} s",
           file=sys.stderr)  # fmt: skip
-    return Count(name, args.requests, total_instructions(files[-1]), seconds, idle_per_s)
+    return [
+        Count(name, args.requests, total_instructions(f), s, idle_per_s, w.tokens)
+        for f, s, w in zip(counted, windows_s, windows, strict=True)
+    ]
 
 
 def dumps(out: Path) -> list[Path]:
@@ -230,7 +307,7 @@ def start_passthrough(fleet: Fleet, origin: str, out: Path) -> Managed:
     return managed
 
 
-def start_proxy(fleet: Fleet, name: str, out: Path) -> Managed:
+def start_proxy(fleet: Fleet, name: str, out: Path, origins: int = 1) -> Managed:
     """ponto-proxy `name` under callgrind, one worker, alone on SERVER_CPU, serving
     the control plane's current table."""
     with affinity({SERVER_CPU}):
@@ -242,35 +319,55 @@ def start_proxy(fleet: Fleet, name: str, out: Path) -> Managed:
             ready_timeout=READY_S,
         )
     pin_tree(proxy.proc.pid, {SERVER_CPU})
-    fleet.wait_proxies_at(fleet.table_version(origins=1), timeout=READY_S)
+    fleet.wait_proxies_at(fleet.table_version(origins=origins), timeout=READY_S)
     return proxy
+
+
+def windows(args: argparse.Namespace, base: str, by_path: bool) -> list[Window]:
+    """The windows of a target whose whole answers are asked at `base` (the
+    server's URL, with its /v1), and its streams of N events there too (a
+    model each), or `by_path`, under canned.stream_path(N) (the pass-through)."""
+    path = "/chat/completions"
+    if not args.stream_tokens:
+        return [Window(base + path, warmup=args.warmup)]
+    found = []
+    for i, n in enumerate(args.stream_tokens):
+        url = base.removesuffix("/v1") + canned.stream_path(n) + "v1" if by_path else base
+        warmup = args.warmup if i == 0 else args.warmup // 10
+        found.append(Window(url + path, stream_body(n), n, warmup))
+    return found
 
 
 def run(args: argparse.Namespace, workdir: Path) -> list[Count]:
     """Start the topology in `workdir`, count each target in args.targets; see the module."""
     counts: list[Count] = []
+    streams = tuple(args.stream_tokens)
     with Fleet(workdir) as fleet, affinity({LOAD_CPU}):
         fleet.start_etcd()
         fleet.start_control()
         fleet.add_region(RegionDef("local", 0.0, 0.0))
-        with canned.CannedOrigin(workdir / "canned", cpus={LOAD_CPU}) as nginx:
+        with canned.CannedOrigin(workdir / "canned", cpus={LOAD_CPU}, streams=streams) as nginx:
             fleet.add_origin("canned", "local", nginx.url, models=(canned.CANNED_MODEL,))
-            fleet.table_version(origins=1)
+            for n in streams:  # an origin of its own for each size (see the module)
+                url = f"http://{nginx.address}{canned.stream_path(n)}v1"
+                fleet.add_origin(f"canned-s{n}", "local", url, models=(canned.stream_model(n),))
+            fleet.table_version(origins=1 + len(streams))
             for name in args.targets:
                 out = workdir / f"{name}.out"
                 if name == "passthrough":
                     server = start_passthrough(fleet, nginx.address, out)
-                    url = f"http://{server.address}/v1/chat/completions"
+                    target = windows(args, f"http://{server.address}/v1", by_path=True)
                     headers: Header = ()
                 else:
                     if name == "features":
                         headers, _ = configure_ponto_features(fleet, "auth-limits-cache")
                     else:
                         headers = ()
-                    server = start_proxy(fleet, f"proxy-{name}", out)
-                    url = fleet.proxy_url(f"proxy-{name}") + "/chat/completions"
-                print(f"{name}: started; {args.warmup} + {args.requests} requests", file=sys.stderr)
-                counts.append(count(name, server, url, headers, out, args))
+                    server = start_proxy(fleet, f"proxy-{name}", out, 1 + len(streams))
+                    target = windows(args, fleet.proxy_url(f"proxy-{name}"), by_path=False)
+                print(f"{name}: started; {args.warmup} + {args.requests} requests a window",
+                      file=sys.stderr)  # fmt: skip
+                counts += count(name, server, target, headers, out, args)
                 fleet.proxies.pop(f"proxy-{name}", None)
                 if name != "passthrough" and args.top:
                     print(annotate(out, args.top))
@@ -292,24 +389,57 @@ def annotate(out: Path, top: int) -> str:
 
 
 def report(counts: Sequence[Count]) -> str:
-    """The table: target, requests, instructions per request, ratio to the pass-through."""
-    floor = next((c.per_request for c in counts if c.target == "passthrough"), 0.0)
+    """The table: target, requests, instructions per request, ratio to the
+    pass-through (of the same stream size); with streams of two sizes or
+    more, each target's instructions per event from the first two, and its
+    ratio to the pass-through's."""
+    floors = {c.tokens: c.per_request for c in counts if c.target == "passthrough"}
+    streamed = any(c.tokens for c in counts)
+    size = f"{'events':>7} " if streamed else ""
     rows = [
-        f"{'target':<12} {'requests':>8} {'instr/request':>14} {'raw':>10} {'/ pass-through':>15}"
+        f"{'target':<12} {size}{'requests':>8} {'instr/request':>14} {'raw':>10} "
+        f"{'/ pass-through':>15}"
     ]
     for c in counts:
+        floor = floors.get(c.tokens, 0.0)
         ratio = f"{c.per_request / floor:.3f}" if floor else "-"
+        size = f"{c.tokens:>7} " if streamed else ""
         rows.append(
-            f"{c.target:<12} {c.requests:>8} {c.per_request:>14,.0f} "
+            f"{c.target:<12} {size}{c.requests:>8} {c.per_request:>14,.0f} "
             f"{c.raw_per_request:>10,.0f} {ratio:>15}"
         )
+    slopes = per_event(counts)
+    if slopes:
+        floor = slopes.get("passthrough", 0.0)
+        rows.append("")
+        rows.append(f"{'target':<12} {'instr/event':>12} {'/ pass-through':>15}")
+        for target, slope in slopes.items():
+            ratio = f"{slope / floor:.3f}" if floor else "-"
+            rows.append(f"{target:<12} {slope:>12,.0f} {ratio:>15}")
     return "\n".join(rows)
+
+
+def per_event(counts: Sequence[Count]) -> dict[str, float]:
+    """Each target's instructions per streamed event: the slope between its
+    first two stream sizes (none with fewer than two)."""
+    slopes: dict[str, float] = {}
+    for target in dict.fromkeys(c.target for c in counts):
+        sized = [c for c in counts if c.target == target and c.tokens]
+        if len(sized) >= 2 and sized[1].tokens != sized[0].tokens:
+            a, b = sized[0], sized[1]
+            slopes[target] = (b.per_request - a.per_request) / (b.tokens - a.tokens)
+    return slopes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--warmup", type=int, default=300, help="uncounted requests first (>= 1)")
-    parser.add_argument("--requests", type=int, default=1000, help="counted requests")
+    parser.add_argument("--warmup", type=int, help="uncounted requests first (>= 1; default "
+                        "300, 100 with --stream-tokens)")  # fmt: skip
+    parser.add_argument("--requests", type=int, help="counted requests (a window; default "
+                        "1000, 300 with --stream-tokens)")  # fmt: skip
+    parser.add_argument("--stream-tokens", default="", metavar="N1,N2",
+                        help="streamed answers of N1, then N2, content events (e.g. 16,64: the "
+                        "slope is each event's cost); default: whole answers")  # fmt: skip
     parser.add_argument(
         "--targets",
         default=",".join(TARGETS),
@@ -326,6 +456,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=0, help="print N costliest functions")
     args = parser.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
+    try:
+        args.stream_tokens = [int(n) for n in args.stream_tokens.split(",") if n]
+    except ValueError:
+        parser.error("--stream-tokens takes sizes separated by commas (16,64)")
+    if any(n < 1 for n in args.stream_tokens) or len(set(args.stream_tokens)) < len(
+        args.stream_tokens
+    ):
+        parser.error("--stream-tokens sizes are distinct and at least 1")
+    if args.warmup is None:
+        args.warmup = 100 if args.stream_tokens else 300
+    if args.requests is None:
+        args.requests = 300 if args.stream_tokens else 1000
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1")
     if args.idle >= KEEPALIVE_S:
         # The proxy would close the idle connection, and the first counted
         # request fail with a broken pipe (--idle 20 did).

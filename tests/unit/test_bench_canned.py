@@ -17,8 +17,12 @@ from bench.canned import (
     config,
     find_nginx,
     nginx_string,
+    stream_answer,
+    stream_model,
+    stream_path,
 )
 from bench.procs import process_tree
+from dataplane.streaming.sse import SseParser
 
 
 def test_the_answer_is_a_truncated_completion_with_usage() -> None:
@@ -74,3 +78,30 @@ def test_a_real_nginx_answers_the_exact_text_and_stops(tmp_path: Path) -> None:
             assert resp.read().decode() == answer
     assert origin.pid == 0
     assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_stream_answer_is_a_vllm_chat_stream_with_usage() -> None:
+    events = SseParser().feed(stream_answer(3).encode())
+    assert [ev.done for ev in events] == [False] * 6 + [True]
+    chunks = [json.loads(ev.data) for ev in events[:-1]]
+    assert {c["model"] for c in chunks} == {stream_model(3)}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:4]] == [" pong"] * 3
+    assert chunks[4]["choices"][0]["finish_reason"] == "length"
+    assert chunks[5]["choices"] == []
+    assert chunks[5]["usage"]["completion_tokens"] == 3
+
+
+def test_a_real_nginx_answers_streams_under_their_paths(tmp_path: Path) -> None:
+    try:
+        find_nginx()
+    except NginxMissing as exc:
+        pytest.skip(str(exc))
+    with CannedOrigin(tmp_path / "nginx", streams=(2, 64)) as origin:
+        for n in (2, 64):
+            url = f"http://{origin.address}{stream_path(n)}v1/chat/completions"
+            request = urllib.request.Request(url, data=b'{"stream": true}')
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                assert resp.headers["Content-Type"] == "text/event-stream"
+                assert resp.read().decode() == stream_answer(n)
+        with urllib.request.urlopen(origin.url + "/chat/completions", b"{}", timeout=5) as resp:
+            assert resp.read().decode() == ANSWER
