@@ -19,6 +19,11 @@ dropped (a stream's first line after it is a line like any other). An event
 is dispatched when it has data or a name, so an `event: error` without data
 still counts.
 
+Searches of bytes are `find`, not `in`: on Python 3.11 `needle in data`
+first tries the needle as an integer (a byte's value) and makes and clears a
+TypeError with a formatted message, some 1,100 instructions more than
+`data.find(needle)` (callgrind), and these run for every event.
+
 Chunks may split anywhere, even inside a line ending. A line that comes in
 many chunks is kept as its pieces until it ends, so a long one costs its
 length, not its length times its chunks. The parser holds at most the event
@@ -54,8 +59,10 @@ class Event:
         self.data = data
         self.name = name
         self.size = size if size >= 0 else len(data) + len(name)
-        # The sentinel, possibly with surrounding whitespace.
-        self.done = DONE in data and data.strip() == DONE
+        # The sentinel, possibly with surrounding whitespace (a strip that
+        # strips nothing returns its bytes, and bytes of another length
+        # compare at once: 500 instructions where `DONE in data` first was 2,600).
+        self.done = data.strip() == DONE
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Event):
@@ -128,7 +135,7 @@ class SseParser:
                 self._line or self._data or self._name or self._cr or self._size or self._start
             )
             and chunk.count(b"\n") == 2
-            and b"\r" not in chunk
+            and chunk.find(b"\r") < 0
             and not (self._limit and len(chunk) - 1 > self._limit)
         ):
             # Most chunks of a stream: one whole event of one data line, with
@@ -150,10 +157,10 @@ class SseParser:
             self._cr = False
             if chunk[:1] == b"\n":
                 chunk = chunk[1:]
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:
             self._cr = chunk[-1:] == b"\r"
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if b"\n" not in chunk:  # the line goes on (if the chunk was more than an LF)
+        if chunk.find(b"\n") < 0:  # the line goes on (if the chunk was more than an LF)
             if chunk:
                 self._line.append(chunk)
                 self._line_size += len(chunk)

@@ -95,9 +95,9 @@ def for_unasked(data: bytes) -> bytes | None:
     member it did not ask for, which its SDK reads as it would from OpenAI.
     Read by the relay after the counter and the cache's recorder, which see
     the chunk as the origin sent it."""
-    if _USAGE_KEY not in data:
+    if data.find(_USAGE_KEY) < 0:  # find, not `in`: see dataplane.streaming.sse
         return data
-    if b'"usage":null' in data or b'"usage": null' in data:
+    if data.find(b'"usage":null') >= 0 or data.find(b'"usage": null') >= 0:
         return without_usage_null(data)
     obj = jsonio.loads_or_none(data)
     if isinstance(obj, dict) and obj.get("usage") is not None and not obj.get("choices"):
@@ -361,7 +361,12 @@ class UsageCounter:
     def event(self, ev: Event) -> None:
         data = ev.data
         self.event_bytes += len(data)
-        if b'"usage"' in data and b'"usage":null' not in data and b'"usage": null' not in data:
+        # find, not `in`, for every event: see dataplane.streaming.sse.
+        if (
+            data.find(b'"usage"') >= 0
+            and data.find(b'"usage":null') < 0
+            and data.find(b'"usage": null') < 0
+        ):
             obj = jsonio.loads_or_none(data)
             found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
             if found is not None:
@@ -371,7 +376,7 @@ class UsageCounter:
         elif ev.name == b"error" or is_error_event(data):
             self.error_event = True
         finishes, finished = self.finishes, self.finished
-        if (finishes is not None or finished is not None) and b'"finish_reason"' in data:
+        if (finishes is not None or finished is not None) and data.find(b'"finish_reason"') >= 0:
             reasons = FINISH_REASON.findall(data)
             if finishes is not None:
                 finishes += reasons
