@@ -441,7 +441,12 @@ async def _relay_bytes(
                 await out.write(_ending(error_event, last, max_event_bytes))
                 break
             try:
-                chunk = await _read(content, idle)
+                # Awaited here, not in a coroutine of its own: a frame a read.
+                if idle is None:
+                    chunk = await content.readany()
+                else:
+                    with idle:
+                        chunk = await content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 cut = _why(exc, idle)
             else:
@@ -591,7 +596,11 @@ async def _relay_events(
                 cut, too_long = _too_long(max_event_bytes), max_event_bytes
             if not cut:
                 try:
-                    chunk = await _read(content, idle)
+                    if idle is None:  # see _relay_bytes
+                        chunk = await content.readany()
+                    else:
+                        with idle:
+                            chunk = await content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     cut = _why(exc, idle)
                 else:
@@ -807,13 +816,6 @@ def _long_block(data: bytes, limit: int) -> int:
 
 def _too_long(limit: int) -> str:
     return f"an event of more than {limit} bytes (--max-answer-bytes)"
-
-
-async def _read(content: Readable, idle: IdleTimeout | None) -> bytes:
-    if idle is None:
-        return await content.readany()
-    with idle:
-        return await content.readany()
 
 
 # How a cut for a stall begins (_why): held against the origin only past the
