@@ -134,15 +134,22 @@ class SseParser:
             and not (
                 self._line or self._data or self._name or self._cr or self._size or self._start
             )
-            and chunk.count(b"\n") == 2
             and chunk.find(b"\r") < 0
             and not (self._limit and len(chunk) - 1 > self._limit)
         ):
-            # Most chunks of a stream: one whole event of one data line, with
-            # nothing pending (not even a line counted in the event's size, an
-            # `id:` split from its data). What the lines below make of it, in one step.
-            self._start = None
-            return [Event(chunk[6:-2], b"", len(chunk) - 1)]
+            # Most chunks of a stream: whole events of one data line each,
+            # with nothing pending (not even a line counted in the event's
+            # size, an `id:` split from its data). What the lines below make
+            # of them, in a few steps: one event (its only LFs its last two),
+            # or several, when every LF is of the blank line after each
+            # event's one line and every event after the first starts `data: `.
+            if chunk.find(b"\n") == len(chunk) - 2:
+                self._start = None
+                return [Event(chunk[6:-2], b"", len(chunk) - 1)]
+            events = chunk.count(b"\n\ndata: ") + 1
+            if chunk.count(b"\n") == 2 * events:
+                self._start = None
+                return [Event(b[6:], b"", len(b) + 1) for b in chunk[:-2].split(b"\n\n")]
         if self._start is not None:
             chunk = self._start + chunk
             if len(chunk) < len(BOM) and BOM.startswith(chunk):

@@ -108,6 +108,32 @@ def test_a_chunk_of_one_whole_event_after_any_state(
     assert got == events
 
 
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b"data: a\n\ndata: b\n\ndata: c\n\n",  # one step: events of one line each
+        b"data: \n\ndata: [DONE]\n\n",
+        b"data: a\n\ndata:b\n\n",  # not `data: `: the lines
+        b"data: a\n\n\ndata: b\n\n",  # an empty line more
+        b"data: a\n\n: ping\ndata: b\n\n",
+        b"data: a\n\ndata: b\ndata: c\n\n",
+        b"data: a\n\nevent: e\ndata: b\n\n",
+        b"data: a\n\ndata: b\n\ndata: c\n",  # the last event goes on
+        b"data: a\n\ndata: b\r\n\r\n",
+        b"data: a\n\ndata: x\n\ndata: b\n\n\n\n",
+    ],
+)
+def test_a_chunk_of_several_events_gives_what_its_bytes_one_by_one_give(chunk: bytes) -> None:
+    def sized(events: list[Event]) -> list[tuple[bytes, bytes, int]]:
+        return [(e.data, e.name, e.size) for e in events]
+
+    for limit in (0, 7, 8, 64):  # none, one an 8-byte event passes, ones it does not
+        whole, by_byte = SseParser(limit), SseParser(limit)
+        one_by_one = [ev for i in range(len(chunk)) for ev in by_byte.feed(chunk[i : i + 1])]
+        assert sized(whole.feed(chunk)) == sized(one_by_one)
+        assert (whole.over, whole.held) == (by_byte.over, by_byte.held)
+
+
 # Pieces of streams: whole one-line events (what feed takes in one step),
 # lines and line endings of every kind, comments, names, fields without a space.
 _PIECES = st.one_of(
