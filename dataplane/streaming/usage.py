@@ -371,7 +371,9 @@ class UsageCounter:
             found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
             if found is not None:
                 self.usage = found
-        if _has_text(data):
+        # _has_text, inline: this runs for every event.
+        end = data.find(_CONTENT) + len(_CONTENT)
+        if (len(_CONTENT) <= end < len(data) and data[end] != 0x22) or _TEXT.search(data):
             self.content_events += 1
         elif ev.name == b"error" or is_error_event(data):
             self.error_event = True
