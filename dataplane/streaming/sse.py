@@ -142,14 +142,15 @@ class SseParser:
             # size, an `id:` split from its data). What the lines below make
             # of them, in a few steps: one event (its only LFs its last two),
             # or several, when every LF is of the blank line after each
-            # event's one line and every event after the first starts `data: `.
+            # event's one line and every event after the first starts `data: `
+            # (split on a blank line and `data: `, the LFs are twice the pieces).
             if chunk.find(b"\n") == len(chunk) - 2:
                 self._start = None
                 return [Event(chunk[6:-2], b"", len(chunk) - 1)]
-            events = chunk.count(b"\n\ndata: ") + 1
-            if chunk.count(b"\n") == 2 * events:
+            datas = chunk[6:-2].split(b"\n\ndata: ")
+            if chunk.count(b"\n") == 2 * len(datas):
                 self._start = None
-                return [Event(b[6:], b"", len(b) + 1) for b in chunk[:-2].split(b"\n\n")]
+                return [Event(data, b"", len(data) + 7) for data in datas]
         if self._start is not None:
             chunk = self._start + chunk
             if len(chunk) < len(BOM) and BOM.startswith(chunk):
