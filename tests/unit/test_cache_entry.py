@@ -15,7 +15,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from dataplane.cache import entry as entry_module
+from dataplane import jsonio
 from dataplane.cache.entry import (
     DONE_FRAME,
     CachedResponse,
@@ -926,13 +926,13 @@ def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parsed: list[bytes] = []
-    real = entry_module.jsonio.loads
+    real = jsonio.loads
 
     def loads(data: bytes | str) -> Any:
         parsed.append(data if isinstance(data, bytes) else data.encode())
         return real(data)
 
-    monkeypatch.setattr(entry_module.jsonio, "loads", loads)
+    monkeypatch.setattr(jsonio, "loads", loads)  # the module entry reads it from
     texts = [_TEXT % t for t in (b"one", b" two", b" caf\xc3\xa9", b" \\u00e9")]
     recorder = StreamRecorder()
     for data in [_ROLE, *texts, _LAST, b"[DONE]"]:
