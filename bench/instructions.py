@@ -177,11 +177,15 @@ class Window:
 
 
 def stream_body(tokens: int) -> bytes:
-    """CANNED_BODY asking for a stream of the canned origin's `tokens`-event answers."""
+    """CANNED_BODY asking for a stream of the canned origin's `tokens`-event
+    answers, with a max_tokens of `tokens` (the usage it counts: a larger
+    one the proxy would not believe, and would say so)."""
     model = f'"model": "{canned.CANNED_MODEL}"'.encode()
-    assert model in CANNED_BODY
+    limit = b'"max_tokens": 8'
+    assert model in CANNED_BODY and limit in CANNED_BODY
     streamed = f'"model": "{canned.stream_model(tokens)}", "stream": true'.encode()
-    return CANNED_BODY.replace(model, streamed)
+    body = CANNED_BODY.replace(model, streamed)
+    return body.replace(limit, f'"max_tokens": {tokens}'.encode())
 
 
 class Client:
