@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.instructions import Count, dumps, report, total_instructions
+from bench import canned
+from bench.instructions import Count, dumps, per_event, report, stream_body, total_instructions
 
 # The shape callgrind 3.19 writes when instrumentation started off: a summary of 0
 # in the header and the real total at the end.
@@ -61,3 +63,30 @@ def test_the_idle_rate_over_the_window_is_taken_off() -> None:
 def test_report_without_the_pass_through_has_no_ratio() -> None:
     table = report([Count("defaults", 4, 400, 1.0)]).splitlines()
     assert table[1].split() == ["defaults", "4", "100", "100", "-"]
+
+
+def test_streams_are_compared_size_by_size_and_per_event() -> None:
+    counts = [
+        Count("passthrough", 10, 5_000_000, 1.0, tokens=16),
+        Count("passthrough", 10, 5_480_000, 1.0, tokens=64),
+        Count("defaults", 10, 10_000_000, 1.0, tokens=16),
+        Count("defaults", 10, 19_600_000, 1.0, tokens=64),
+    ]
+    # (1,960,000 - 1,000,000) / 48 events, against (548,000 - 500,000) / 48.
+    assert per_event(counts) == {"passthrough": 1_000.0, "defaults": 20_000.0}
+    rows = [row.split() for row in report(counts).splitlines()]
+    assert rows[1] == ["passthrough", "16", "10", "500,000", "500,000", "1.000"]
+    assert rows[4] == ["defaults", "64", "10", "1,960,000", "1,960,000", "3.577"]
+    assert rows[-2:] == [["passthrough", "1,000", "1.000"], ["defaults", "20,000", "20.000"]]
+
+
+def test_one_stream_size_gives_no_slope() -> None:
+    assert per_event([Count("defaults", 10, 1_000, 1.0, tokens=16)]) == {}
+    assert "instr/event" not in report([Count("defaults", 10, 1_000, 1.0, tokens=16)])
+
+
+def test_a_stream_request_names_its_size_and_asks_for_a_stream() -> None:
+    body = json.loads(stream_body(64).replace(b"{i}", b"7"))
+    assert body["model"] == canned.stream_model(64)
+    assert body["stream"] is True and body["max_tokens"] == 64
+    assert body["messages"][-1]["content"].endswith("7")
