@@ -758,13 +758,7 @@ def _whole_stream(
 async def _start_stream(
     request: web.Request, ex: Exchange, headers: list[tuple[str, str]]
 ) -> web.StreamResponse:
-    out = web.StreamResponse(status=200)
-    out.content_type = "text/event-stream"
-    out.headers["cache-control"] = "no-cache"
-    out.headers[hdrs.SERVER] = SERVER_NAME
-    out.headers[ACCEL_BUFFERING] = "no"
-    out.headers.extend(headers)
-    out.headers.extend(ex.limit_headers)
+    out = _follower_head(ex, headers)
     await _prepare_stream(out, request, ex)
     ex.chunk_sent()  # every caller writes its first chunk next
     return out
@@ -791,7 +785,8 @@ def held_head(ex: Exchange, outcome: str) -> web.StreamResponse:
 
 
 def _follower_head(ex: Exchange, headers: list[tuple[str, str]]) -> web.StreamResponse:
-    """A stream's head as _start_stream's, not sent."""
+    """A stream's head (its status and headers), not sent: _start_stream's,
+    and a held head's."""
     out = web.StreamResponse(status=200)
     out.content_type = "text/event-stream"
     out.headers["cache-control"] = "no-cache"

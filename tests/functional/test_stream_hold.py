@@ -49,6 +49,14 @@ ASK = {
 }
 
 
+# A whole answer's one event and [DONE], as an origin streams it.
+HI_AND_DONE = (
+    b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, '
+    b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, '
+    b'"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+)
+
+
 def pings_forever() -> Origin:
     """An origin that sends its head and comments, and no event."""
 
@@ -89,11 +97,7 @@ async def test_the_head_and_keep_alives_reach_the_client_before_the_first_event(
         out = await sse(request)
         await out.write(b": ping\n\n")
         await thinking.wait()  # until the client has had the head
-        await out.write(
-            b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, '
-            b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, '
-            b'"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
-        )
+        await out.write(HI_AND_DONE)
         await out.write_eof()
         return out
 
@@ -218,11 +222,7 @@ async def test_a_coalesced_follower_gets_its_head_too_and_the_same_stream(
         calls += 1
         out = await sse(request)
         await thinking.wait()
-        await out.write(
-            b'data: {"id": "x", "object": "chat.completion.chunk", "created": 1, '
-            b'"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, '
-            b'"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
-        )
+        await out.write(HI_AND_DONE)
         await out.write_eof()
         return out
 
