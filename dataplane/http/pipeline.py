@@ -712,8 +712,8 @@ class Pipeline:
                         return relayed
                     return await sent(request, ex, response)
                 plan = ex.cache = await self.cache.own_call(creq, plan)
-            if ex.stream and (self.stream_hold_s is not None or ex.held is not None):
-                held = await self.forward_held(request, ex, plan)
+            if ex.stream and (hold_s := self.stream_hold_s) is not None:
+                held = await self.forward_held(request, ex, plan, hold_s)
                 if isinstance(held, web.StreamResponse):  # its error event was sent
                     return held
                 origin = held
@@ -738,28 +738,25 @@ class Pipeline:
             raise
 
     async def forward_held(
-        self, request: web.Request, ex: Exchange, plan: CachePlan
+        self, request: web.Request, ex: Exchange, plan: CachePlan, hold_s: float
     ) -> OriginAnswer | web.StreamResponse:
-        """`forward` for a stream whose head may go out before its origin's
-        first event (dataplane.http.hold; `ex.held` once it has, here or while
-        the request followed a flight). A failure after the head is the
-        stream's error event (reply.held_failed): the response is returned,
-        ended."""
-        hold_s = self.stream_hold_s
-        held = None
-        if hold_s is not None:
-            # With a head sent (a flight it followed failed before an event),
-            # its comments go on while its own call waits (review 314).
-            held = HeldHead(
-                hold_s,
-                partial(reply.held_head, ex, plan.outcome),
-                partial(reply.prepare_held, request, ex),
-                sent=ex.held,
-            )
+        """`forward` for a stream whose head goes out `hold_s` after its call
+        when its origin's first event has not come (dataplane.http.hold;
+        `ex.held` once it has, here or while the request followed a flight).
+        A failure after the head is the stream's error event
+        (reply.held_failed): the response is returned, ended."""
+        # With a head sent (a flight it followed failed before an event), its
+        # comments go on while its own call waits (review 314).
+        held = HeldHead(
+            hold_s,
+            partial(reply.held_head, ex, plan.outcome),
+            partial(reply.prepare_held, request, ex),
+            sent=ex.held,
+        )
         try:
             origin = await self.forward(ex, self.hedge_for(ex))
         except ApiError as exc:
-            out = ex.held if held is None else await held.stop()
+            out = await held.stop()
             if out is None:
                 raise
             # The client has the stream's head (a 200): the error is its
@@ -771,16 +768,14 @@ class Pipeline:
                 ex, out, error, exc.recorded or exc.code or str(exc.status)
             )
         except asyncio.CancelledError:
-            out = ex.held if held is None else await held.stop()
+            out = await held.stop()
             if out is not None:  # a stopping server's stream ends as a relay's does
                 await reply.held_stopped(request, ex, out)
             raise
         except BaseException:
-            if held is not None:
-                held.abandon()
+            held.abandon()
             raise
-        if held is not None:
-            ex.held = await held.stop()
+        ex.held = await held.stop()
         return origin
 
     @staticmethod

@@ -619,7 +619,7 @@ async def follow(
         # event), its comments go on while it waits (review 314: none came).
         hold = HeldHead(
             hold_s,
-            partial(_follower_head, ex, headers),
+            partial(_stream_head, ex, headers),
             partial(prepare_held, request, ex),
             sent=ex.held,
         )
@@ -633,7 +633,7 @@ async def follow(
                 return _json(ex, to_completion(await follower.result()), headers), True
             async for chunk in follower:
                 if out is None:
-                    out = ex.held if hold is None else await hold.stop()
+                    out = None if hold is None else await hold.stop()
                     if out is None:
                         out = await _start_stream(request, ex, headers)
                     else:
@@ -644,7 +644,7 @@ async def follow(
                 await out.write(chunk)
             if out is None:  # the leader answered without streaming
                 whole_answer = _whole_stream(ex, await follower.result(), headers)
-                held = ex.held if hold is None else await hold.stop()
+                held = None if hold is None else await hold.stop()
                 if held is not None:
                     return await into_held(ex, held, whole_answer), True
                 return whole_answer, True
@@ -655,7 +655,7 @@ async def follow(
         # The chunks are whole events (the leader's relay hands on no other).
         if out is not None and not ending and stopping(request):
             await write_stopped(out, b"" if whole else stream_stopped_event())
-        elif out is None and (held := ex.held if hold is None else await hold.stop()):
+        elif out is None and hold is not None and (held := await hold.stop()):
             await held_stopped(request, ex, held)
         raise
     except FlightFailed as exc:
@@ -758,7 +758,7 @@ def _whole_stream(
 async def _start_stream(
     request: web.Request, ex: Exchange, headers: list[tuple[str, str]]
 ) -> web.StreamResponse:
-    out = _follower_head(ex, headers)
+    out = _stream_head(ex, headers)
     await _prepare_stream(out, request, ex)
     ex.chunk_sent()  # every caller writes its first chunk next
     return out
@@ -781,10 +781,10 @@ def held_head(ex: Exchange, outcome: str) -> web.StreamResponse:
     """The head of a stream sent before its origin answered (dataplane.http.hold):
     a relayed stream's, without what only the origin's answer says (its
     headers, `x-ponto-origin`, the attempts)."""
-    return _follower_head(ex, ex.response_headers(outcome))
+    return _stream_head(ex, ex.response_headers(outcome))
 
 
-def _follower_head(ex: Exchange, headers: list[tuple[str, str]]) -> web.StreamResponse:
+def _stream_head(ex: Exchange, headers: list[tuple[str, str]]) -> web.StreamResponse:
     """A stream's head (its status and headers), not sent: _start_stream's,
     and a held head's."""
     out = web.StreamResponse(status=200)
