@@ -796,11 +796,17 @@ class RateLimiter:
         """The rows the reports carry (`carry`'s and each closed day's),
         for the process after this one to go on carrying (QuotaState's
         saved counts)."""
-        out = {name: list(rows) for name, rows in self._carried.items()}
-        for name, st in self._scopes.items():
-            if st.closed is not None:
-                out.setdefault(name, []).append(st.closed)
-        return out
+        names = dict.fromkeys(self._carried)
+        names.update((n, None) for n, st in self._scopes.items() if st.closed is not None)
+        return {name: list(self._closed_rows(name, self._scopes.get(name))) for name in names}
+
+    def _closed_rows(self, name: str, st: _Scope | None) -> tuple[Spent, ...]:
+        """What the reports carry of scope `name` beside its own counts:
+        `carry`'s rows, and its closed day's (`st`: the scope, if here)."""
+        rows = tuple(self._carried.get(name, ()))
+        if st is not None and st.closed is not None:
+            rows += (st.closed,)
+        return rows
 
     def _reported_closed(self) -> None:
         """One more report carried the closed rows: past CLOSED_REPORTS,
@@ -965,9 +971,7 @@ class RateLimiter:
                 if st.month_used > 0 and st.limits.budgeted and self._day
                 else None
             )
-            closed = tuple(self._carried.get(name, ()))
-            if st.closed is not None:
-                closed += (st.closed,)
+            closed = self._closed_rows(name, st)
             if not (
                 st.attempts
                 or st.attempt_tokens
