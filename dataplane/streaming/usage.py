@@ -311,13 +311,6 @@ _TEXT = re.compile(
 FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([a-z_]{1,64})"')
 
 
-def _has_text(event: bytes) -> bool:
-    end = event.find(_CONTENT) + len(_CONTENT)
-    if len(_CONTENT) <= end < len(event) and event[end] != 0x22:  # '"'
-        return True
-    return _TEXT.search(event) is not None
-
-
 def _finished_choices(data: bytes) -> list[int]:
     """The indexes of the choices a chunk finishes."""
     obj = jsonio.loads_or_none(data)
@@ -371,7 +364,8 @@ class UsageCounter:
             found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
             if found is not None:
                 self.usage = found
-        # _has_text, inline: this runs for every event.
+        # Whether it has text (_CONTENT, then _TEXT), inline: this runs for
+        # every event. 0x22 is the closing quote of an empty string.
         end = data.find(_CONTENT) + len(_CONTENT)
         if (len(_CONTENT) <= end < len(data) and data[end] != 0x22) or _TEXT.search(data):
             self.content_events += 1
