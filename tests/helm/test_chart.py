@@ -1310,3 +1310,29 @@ def test_origin_connection_limits_become_the_proxies_flags_only_when_set(
     assert not {"--max-origin-connections-per-tenant", "--origin-queue-timeout"} & set(f)
     for bad in ('{"max":-1}', '{"perTenant":1.5}', '{"queueTimeout":5}'):
         assert "originConnections" in refused(helm, "--set-json", f"proxy.originConnections={bad}")
+
+
+def test_stream_values_become_the_proxies_flags_only_when_set(
+    helm: Path, default: list[Doc], tmp_path: Path
+) -> None:
+    named = ("--stream-hold-seconds", "--max-transcripts-mb")
+    assert not set(named) & set(flags(container(one(default, "Deployment", "ponto-proxy-us-east"))))
+    # Zero is a setting of its own for both (the head at once; no transcripts), not
+    # "the default", so it renders.
+    for hold, mb, parsed in (("2.5", "512", 2.5), ("0", "0", 0.0), ("-1", "64", None)):
+        docs = render(
+            helm,
+            "--set-json",
+            f'proxy.streams={{"holdSeconds":{hold},"maxTranscriptsMB":{mb}}}',
+        )
+        deployment = one(docs, "Deployment", "ponto-proxy-us-east")
+        f = flags(container(deployment))
+        assert [f[n] for n in named] == [hold, mb]
+        settings = proxy_settings.parse(_materialise(docs, tmp_path, deployment))
+        assert settings.stream_hold_seconds == parsed
+        assert settings.max_transcripts_bytes == int(mb) << 20
+    alone = render(helm, "--set-json", 'proxy.streams={"holdSeconds":30}')
+    f = flags(container(one(alone, "Deployment", "ponto-proxy-us-east")))
+    assert f["--stream-hold-seconds"] == "30" and "--max-transcripts-mb" not in f
+    for bad in ('{"maxTranscriptsMB":-1}', '{"maxTranscriptsMB":1.5}', '{"hold":5}'):
+        assert "streams" in refused(helm, "--set-json", f"proxy.streams={bad}")
