@@ -62,12 +62,31 @@ def file_tokens(data: Any) -> int:
     return max(IMAGE_DEFAULT, _decoded_bytes(data) * IMAGE_DEFAULT // FILE_BYTES_PER_IMAGE)
 
 
+def _url(value: Any) -> str:
+    """The URL of a vLLM media part's value: an object's `url`, or a plain string."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else ""
+
+
+def _vllm_audio_tokens(url: str) -> int:
+    """vLLM's `audio_url` part: a data URL is charged as `input_audio` by its
+    size, its format the media type's subtype (`audio/wav`, `audio/x-wav` ->
+    wav); a URL the proxy does not fetch as one image, at least something."""
+    if not url.startswith("data:"):
+        return IMAGE_DEFAULT if url else 0
+    media = url[5 : url.find(";")] if ";" in url[:64] else ""
+    return audio_tokens(url, "wav" if "wav" in media else media)
+
+
 def _part_tokens(part: dict[str, Any]) -> int:
     """The tokens charged flat for a part that is not text: an image (chat's
     `image_url`, as an object with its `detail` or, as vLLM takes it, a plain
     URL; a Responses `input_image`, whose `detail` is on the part and which
-    may name a `file_id` instead), audio (`input_audio`), or a file (chat's
-    `file`, a Responses `input_file`); 0 for any other."""
+    may name a `file_id` instead), audio (`input_audio`; vLLM's `audio_url`),
+    a video (vLLM's `video_url`: one image, as its count depends on how many
+    frames the model samples, which the proxy does not know), or a file
+    (chat's `file`, a Responses `input_file`); 0 for any other."""
     kind = part.get("type")
     image = part.get("image_url")
     if image is not None or kind == "input_image":
@@ -83,6 +102,10 @@ def _part_tokens(part: dict[str, Any]) -> int:
         return file_tokens(file.get("file_data") if isinstance(file, dict) else None)
     if kind == "input_file":
         return file_tokens(part.get("file_data"))
+    if kind == "audio_url":
+        return _vllm_audio_tokens(_url(part.get("audio_url")))
+    if kind == "video_url":
+        return IMAGE_DEFAULT if _url(part.get("video_url")) else 0
     return 0
 
 

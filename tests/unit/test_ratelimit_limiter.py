@@ -570,6 +570,23 @@ def test_audio_is_charged_by_its_length_at_a_low_bitrate() -> None:
     assert _one_part("chat.completions", odd) == 75
 
 
+def test_vllm_audio_and_video_parts_are_charged() -> None:
+    # They counted nothing: a key under a TPM limit was admitted any number of them.
+    # A data URL of audio is charged as input_audio is, by its size and media type.
+    wav = "data:audio/wav;base64," + "A" * 40_000
+    mp3 = "data:audio/mpeg;base64," + "A" * 40_000
+    for form in ({"url": wav}, wav):
+        assert _one_part("chat.completions", {"type": "audio_url", "audio_url": form}) == 10
+    assert _one_part("chat.completions", {"type": "audio_url", "audio_url": {"url": mp3}}) == 76
+    # A URL the proxy does not fetch, and any video, as one image.
+    remote = {"type": "audio_url", "audio_url": {"url": "https://x/a.mp3"}}
+    assert _one_part("chat.completions", remote) == 765
+    video = {"type": "video_url", "video_url": {"url": "https://x/a.mp4"}}
+    assert _one_part("chat.completions", video) == 765
+    assert _one_part("chat.completions", {"type": "video_url", "video_url": {}}) == 0
+    assert _one_part("chat.completions", {"type": "audio_url", "audio_url": 5}) == 0
+
+
 def test_a_file_is_charged_an_image_per_64_kib_and_at_least_one_image() -> None:
     data = "data:application/pdf;base64," + "A" * 873_786  # about 640 KiB
     chat = {"type": "file", "file": {"file_data": data, "filename": "a.pdf"}}
