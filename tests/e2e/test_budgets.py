@@ -204,10 +204,17 @@ def test_a_reload_under_load_loses_no_counts(fleet: Fleet) -> None:
     now carries them to the leader (ScopeDemand.closed), once."""
     tenant = "reloaded"
     key = make_key(fleet, tenant, pb.Limits(tokens_per_day=10_000_000))
-    group = fleet.start_proxy("g", "us-east", workers=2, extra=["--report-interval-ms", "300"])
+    # The slow request's delay and mark reach the origin (proxies pass on no client
+    # header they are not told to).
+    group = fleet.start_proxy(
+        "g", "us-east", workers=2,
+        extra=["--report-interval-ms", "300", "--forward-headers", "x-sim-delay-ms,x-sim-mark"],
+    )  # fmt: skip
     url = fleet.proxy_url("g") + "/chat/completions"
+    marks = f"http://{fleet.origins['o1'].address}/sim/marks"
     headers = {"authorization": f"Bearer {key}"}
     used: list[int] = []
+    slow_codes: list[int] = []
     lock = threading.Lock()
     done = threading.Event()
 
@@ -219,16 +226,17 @@ def test_a_reload_under_load_loses_no_counts(fleet: Fleet) -> None:
                     with lock:
                         used.append(tokens if code == 200 else 0)
 
-    def slow() -> None:
+    def slow(mark: str) -> None:
         # Admitted by a worker a reload retires, it settles as that worker
         # drains, far from the charge (a long prompt: its estimate is not the
         # origin's count, which the completion expected was learned from).
         long = [{"role": "user", "content": "lorem ipsum, " * 300}]
         r = httpx.post(
             url, json={"model": "sim-small", "messages": long}, timeout=30,
-            headers={**headers, "x-sim-delay-ms": "2000"},
+            headers={**headers, "x-sim-delay-ms": "2000", "x-sim-mark": mark},
         )  # fmt: skip
         with lock:
+            slow_codes.append(r.status_code)
             used.append(r.json()["usage"]["total_tokens"] if r.status_code == 200 else 0)
 
     def served(n: int) -> None:
@@ -243,9 +251,14 @@ def test_a_reload_under_load_loses_no_counts(fleet: Fleet) -> None:
             t.start()
         for reload in (1, 2):
             served(len(used) + 30)
-            threads.append(threading.Thread(target=slow))
+            mark = f"slow-{reload}"
+            threads.append(threading.Thread(target=slow, args=(mark,)))
             threads[-1].start()
-            time.sleep(0.1)
+            # At the origin, so admitted by a worker of the group the SIGHUP retires.
+            deadline = time.monotonic() + 30
+            while mark not in httpx.get(marks).json()["marks"]:
+                assert time.monotonic() < deadline, "the slow request never reached the origin"
+                time.sleep(0.02)
             os.kill(group.proc.pid, signal.SIGHUP)
             deadline = time.monotonic() + 60
             while group.log_tail(400).count("reload done") < reload:
@@ -255,6 +268,8 @@ def test_a_reload_under_load_loses_no_counts(fleet: Fleet) -> None:
         done.set()
         for t in threads:
             t.join(60)
+        # Each slow one served by the worker that admitted it, as it drained.
+        assert slow_codes == [200, 200], slow_codes
         total = sum(used)
         assert total > 100 * ANSWER, used
         deadline = time.monotonic() + 20
