@@ -1055,6 +1055,21 @@ def _input_unless_the_origin_holds_it(body: dict[str, Any], stream: bool) -> Non
         raise missing("input")
 
 
+def _not_in_the_background(body: dict[str, Any], stream: bool) -> None:
+    """Responses: `background: true` is refused. Its create answer is `queued`
+    with no `usage`, and the tokens show only in a later retrieve, which is
+    charged as a request without tokens (a poll of a response already
+    charged would count it twice): through the proxy, a background response
+    of any length charged none of its tokens to any limit, budget, metric or
+    access line (trial 80). `"background": false` asks for what it gets."""
+    if body.get("background") is True:
+        raise invalid_value(
+            "background",
+            "background responses are not served through this gateway, which could not "
+            "count their tokens; leave 'background' out",
+        )
+
+
 def _continue_without_a_generation_prompt(body: dict[str, Any], stream: bool) -> None:
     """vLLM's `continue_final_message` (which the proxy reads to continue a cut
     stream) goes on from the last message, whatever its role, and vLLM
@@ -1245,6 +1260,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             _stream_options_need_stream,
             _tool_choice_names_a_tool(flat=True, prompts=True),
             _input_unless_the_origin_holds_it,
+            _not_in_the_background,
         ),
     ),
 }

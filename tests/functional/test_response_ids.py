@@ -356,6 +356,27 @@ async def test_an_origin_not_serving_now_is_a_400_and_no_origin_is_reached(
     assert stack.origin_requests() == before
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_background_response_is_refused_and_reaches_no_origin(
+    stack: Stack, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its create answer has no usage (`queued`) and its retrieve is charged no
+    tokens: let through, its tokens would reach no limit or budget (trial 80)."""
+    client = sdk(stack)
+    with caplog.at_level(logging.INFO), pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(
+            model=MODEL, input="a long essay", background=True, stream=stream
+        )
+    error = refused.value
+    assert (error.code, error.param) == ("invalid_value", "background")
+    assert "count their tokens" in error.message
+    assert stack.origin_requests() == 0
+    lines = [r for r in caplog.records if "background" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None
+    answer = await client.responses.create(model=MODEL, input="now", background=False)
+    assert answer.status == "completed"
+
+
 def original_of(shown: str) -> str:
     decoded = decode(shown)
     assert decoded is not None
