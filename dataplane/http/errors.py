@@ -64,21 +64,18 @@ class ApiError(Exception):
         # would make label values without bound.
         self.recorded: str | None = None
 
+    def body(self) -> bytes:
+        """Its JSON, in OpenAI's shape."""
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return jsonio.dumps({"error": error})
+
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
         headers = {**self.headers, **(extra_headers or {})}
         if self.attempts:  # as a successful answer says how many origin calls it took
             headers["x-ponto-attempts"] = str(self.attempts)
         return web.Response(
             status=self.status,
-            body=jsonio.dumps(body),
+            body=self.body(),
             content_type="application/json",
             headers=headers,
         )
@@ -199,6 +196,22 @@ def previous_response_not_found(sent: str, why: str) -> ApiError:
         f"Previous response with id '{sent[:256]}' not found: {why}.",
         param="previous_response_id",
         code="previous_response_not_found",
+    )
+
+
+def previous_response_gone(sent: str) -> ApiError:
+    """previous_response_not_found for a follow-up whose origin, the one that
+    stored its previous response, answered that it holds no such response:
+    deleted, made with `store: false`, or lost as the origin restarted (each
+    vLLM replica keeps its store in memory). vLLM says so with a 404
+    (`Response with id '...' not found`, `param: response_id`), which an SDK
+    raises as NotFoundError, as for a wrong URL or model; OpenAI, and the
+    proxy for an id whose origin has left, answer this 400, so a client
+    knows one error for one fault (trial 80)."""
+    return previous_response_not_found(
+        sent,
+        "the origin that stored it no longer holds it (deleted, made with 'store': false, "
+        "or lost as the origin restarted); start the conversation again",
     )
 
 

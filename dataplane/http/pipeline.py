@@ -56,6 +56,7 @@ from dataplane.http.errors import (
     no_route_table,
     not_cached,
     pinned_origin_failed,
+    previous_response_gone,
     previous_response_not_found,
     several_authorizations,
     tenant_suspended,
@@ -938,6 +939,12 @@ class Pipeline:
             # The origin's error names the previous id as it knows it (vLLM:
             # "Response with id 'resp_...' not found"): the client's is shown.
             body = rewrite_words(body, dict((ex.previous,)))
+            if origin.status == 404 and ex.previous[1].encode() in body:
+                # That it holds no such response (a 404 for the model names
+                # no id): told as OpenAI and the proxy's own refusals tell it,
+                # from here on (the reply, the access line) a 400.
+                origin.status = 400
+                body = previous_response_gone(ex.previous[1]).body()
         # Known before the headers (x-ponto-cache-reason of an answer not
         # kept), unless the body is too large to parse before sending.
         entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)

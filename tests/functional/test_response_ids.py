@@ -536,14 +536,44 @@ async def test_a_follow_up_for_a_model_its_origin_does_not_serve_is_a_400(stack:
     assert stack.origin_requests() == before
 
 
-async def test_a_follow_ups_error_names_the_id_the_client_sent(stack: Stack) -> None:
+@pytest.mark.parametrize("gone", ["deleted", "not stored"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_follow_up_its_origin_no_longer_holds_is_a_400_naming_the_clients_id(
+    stack: Stack, gone: str, stream: bool
+) -> None:
+    """vLLM answers 404 `Response with id '...' not found`, which the SDK
+    raises as NotFoundError (as for a wrong URL); OpenAI, and the proxy for an
+    origin that left, answer 400 previous_response_not_found (trial 80)."""
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="x", store=gone != "not stored")
+    home = storing_origin(stack, first.id) if gone == "deleted" else None
+    if gone == "deleted":
+        await client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as follow:
+        await client.responses.create(
+            model=MODEL, input="y", previous_response_id=first.id, stream=stream
+        )
+    error = follow.value
+    assert (error.code, error.param) == ("previous_response_not_found", "previous_response_id")
+    assert f"Previous response with id '{first.id}' not found" in error.message
+    assert "no longer holds it" in error.message
+    assert f"'{original_of(first.id)}'" not in error.message
+    assert error.response.headers["x-ponto-route"] == "pinned"
+    if home is not None:  # the origin was asked: only it knows
+        assert requests_by_origin(stack)[home]["/v1/responses"] == 2
+
+
+async def test_a_pinned_origins_404_that_names_no_id_is_passed_on(stack: Stack) -> None:
+    """A 404 of another cause (an origin that does not know the model after
+    all) is no word on the previous response: relayed as it came."""
     client = sdk(stack)
     first = await client.responses.create(model=MODEL, input="x")
-    await client.responses.delete(first.id)
+    state = stack.origins[NAMES.index(storing_origin(stack, first.id))].app[SIM_STATE]
+    state.config = dataclasses.replace(state.config, mode="fail", fail_status=404)
     with pytest.raises(openai.NotFoundError) as follow:
         await client.responses.create(model=MODEL, input="y", previous_response_id=first.id)
-    assert f"Response with id '{first.id}' not found." in follow.value.message
-    assert f"'{original_of(first.id)}'" not in follow.value.message
+    assert follow.value.code != "previous_response_not_found"
+    assert "Injected failure" in follow.value.message
 
 
 async def test_a_table_without_id_keys_pins_nothing_and_says_so_once(
