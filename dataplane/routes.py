@@ -128,6 +128,11 @@ class Routes:
     # carry (dataplane.upstream.responseids): made once per table. An origin
     # drained, removed or unhealthy (unless panic routing uses it) is not here.
     stored_on: dict[str, Target] = field(default_factory=dict, compare=False)
+    # The origins the table marks unhealthy (not drained), by that same tag,
+    # with the models each lists: a probe's verdict, which may pass with the
+    # origin's store intact, so a follow-up whose response one of them holds
+    # is told to retry, not to start again (trial 80).
+    unhealthy_stores: dict[str, frozenset[str]] = field(default_factory=dict, compare=False)
     # The keys of the Responses ids' MAC (RouteTable.response_id_keys); None
     # for a table without them (an older control plane's): no id is
     # rewritten, no follow-up pinned, no stored response's route served.
@@ -419,6 +424,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         origins=frozenset(o.name for o in table.origins),
         credentials=tuple(t.credential for t in targets if t.credential is not None),
         stored_on={t.tag: t for t in targets},
+        unhealthy_stores={origin_tag(o.name): frozenset(o.models) for o in unhealthy},
         id_keys=IdKeys(table.response_id_keys) if table.response_id_keys else None,
     )
 

@@ -319,6 +319,47 @@ PINNED_UNREACHABLE = (
     "any other origin can answer that."
 )
 
+# The same, when the route table marks that origin unhealthy: no call is made.
+PINNED_UNHEALTHY = (
+    "The earlier response this request continues ('previous_response_id') is stored on one "
+    "origin, which is unhealthy now: retrying helps only once that origin recovers. To go on "
+    "without it, send the conversation again in 'input' without 'previous_response_id'; any "
+    "other origin can answer that."
+)
+
+
+def pinned_origin_unhealthy() -> ApiError:
+    """503 for a Responses follow-up whose previous response is stored on an
+    origin the table marks unhealthy (not drained): no origin is called, as
+    for a model with none healthy (`no_healthy_origin`, `Retry-After`). Not
+    the 400 previous_response_not_found of an origin drained or removed: a
+    probe's verdict may pass with the origin's store intact, and that 400
+    tells the client to start again (trial 80: a follow-up got the 502 of an
+    origin that cannot be reached, retryable, until the probes marked it,
+    then the 400)."""
+    return ApiError(
+        503,
+        PINNED_UNHEALTHY,
+        type="server_error",
+        code="no_healthy_origin",
+        param="previous_response_id",
+        headers={"retry-after": "5"},
+    )
+
+
+def stored_origin_unhealthy(sent: str) -> ApiError:
+    """503 for a stored response's route whose response is on an origin the
+    table marks unhealthy (pinned_origin_unhealthy's reasons)."""
+    return ApiError(
+        503,
+        f"The response with id '{sent[:256]}' is stored on one origin, which is unhealthy now: "
+        "retry once that origin recovers.",
+        type="server_error",
+        code="no_healthy_origin",
+        param="response_id",
+        headers={"retry-after": "5"},
+    )
+
 
 def pinned_origin_failed(error: ApiError, route_header: str) -> ApiError:
     """`error`, an origin failure of a Responses follow-up that went only to

@@ -56,6 +56,7 @@ from dataplane.http.errors import (
     no_route_table,
     not_cached,
     pinned_origin_failed,
+    pinned_origin_unhealthy,
     previous_response_gone,
     previous_response_not_found,
     several_authorizations,
@@ -584,8 +585,9 @@ class Pipeline:
         were signed, or never through this gateway: an origin's own id, which
         an id of ours shows as its prefix) is a 400 previous_response_not_found
         with no origin called, as is an id whose origin is not one this
-        request may use now (drained, unhealthy, removed, not serving the
-        model): no other origin has the state. Under a table without id keys
+        request may use now (drained, removed, not serving the model): no
+        other origin has the state. One the table marks unhealthy is a 503
+        to retry (pinned_origin_unhealthy). Under a table without id keys
         (an older control plane's) nothing is pinned: the id goes on as it
         came, as before the ids were the proxy's."""
         sent = ex.body.get("previous_response_id")
@@ -607,10 +609,12 @@ class Pipeline:
             )
         target = ex.routes.stored_on.get(decoded.origin)
         if target is None or not ex.routes.serves(target, ex.model):
+            if ex.model in ex.routes.unhealthy_stores.get(decoded.origin, ()):
+                raise pinned_origin_unhealthy()
             raise previous_response_not_found(
                 sent,
                 f"it is stored on an origin that is not serving model '{ex.model}' now "
-                "(drained, unhealthy or removed); start the conversation again",
+                "(drained or removed); start the conversation again",
             )
         ex.body["previous_response_id"] = decoded.original
         ex.rewritten = True

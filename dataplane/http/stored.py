@@ -14,8 +14,9 @@ for the caller's tenant is a 404 `not_found`, in the same words whoever's it
 is; one no path may carry (any character but letters, digits, '_' and '-')
 a 400; neither reaches an origin; so is every id under a table without id
 keys (an older control plane's: no id can be checked); an origin that serves
-no requests now (drained, unhealthy, removed) is a 404 too, as its responses
-are gone for the client. The call has
+no requests now (drained, removed) is a 404 too, as its responses are gone
+for the client; one the table marks unhealthy a 503 to retry, as a probe's
+verdict may pass with its store intact. The call has
 the origin's credential and the proxy's timeouts, and its answer is relayed as
 any origin's: a 2xx with the response's ids shown as the client knows them, an
 error through the allowlist (dataplane.http.errors.origin_error), a 5xx
@@ -52,6 +53,7 @@ from dataplane.http.errors import (
     origin_error,
     response_not_found,
     responses_broken_event,
+    stored_origin_unhealthy,
 )
 from dataplane.http.pipeline import (
     authenticate_waiting,
@@ -147,6 +149,8 @@ async def answer(pipeline: Pipeline, action: Action, request: web.Request) -> we
         raise response_not_found(sent)
     target = routes.stored_on.get(decoded.origin)
     if target is None:
+        if decoded.origin in routes.unhealthy_stores:
+            raise stored_origin_unhealthy(sent)
         raise response_not_found(sent, "it was stored on an origin that is not serving now")
     limiter = pipeline.limiter
     scopes = principal.scopes

@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 from openai.types.responses import ResponseCompletedEvent
 
-from dataplane.http.errors import PINNED_UNREACHABLE, UPSTREAM_FAILED
+from dataplane.http.errors import PINNED_UNHEALTHY, PINNED_UNREACHABLE, UPSTREAM_FAILED
 from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.upstream.responseids import IdKeys, decode, origin_tag
 from ponto.apikeys import issue_key
@@ -64,6 +64,7 @@ def origins_table(
     version: int,
     suspended: bool = False,
     unserved: str = "",
+    unhealthy: str = "",
     keys: bool = True,
 ) -> None:
     """The three origins again, one of them drained or removed, or
@@ -77,6 +78,7 @@ def origins_table(
     t = table(served, version=version)
     for o in t.origins:
         o.drained = o.name == drained
+        o.healthy = o.name != unhealthy
         if o.name == unserved:
             o.models[:] = ["sim-other"]
     t.tenants[0].suspended = suspended
@@ -375,6 +377,41 @@ async def test_a_background_response_is_refused_and_reaches_no_origin(
     assert len(lines) == 1 and lines[0].exc_info is None
     answer = await client.responses.create(model=MODEL, input="now", background=False)
     assert answer.status == "completed"
+
+
+async def test_a_follow_up_whose_origin_is_unhealthy_is_a_503_to_retry(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A probe's verdict may pass with the origin's store intact: the client is
+    told to retry (as for the 502 of that origin unreachable before the probes
+    marked it), not the 400 that says to start again, and the conversation
+    goes on once the origin is healthy (trial 80)."""
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="before the probe failed")
+    home = storing_origin(stack, first.id)
+    origins_table(stack, version=4, unhealthy=home)
+    before = stack.origin_requests()
+    for stream in (False, True):
+        with caplog.at_level(logging.INFO), pytest.raises(openai.InternalServerError) as follow:
+            await client.responses.create(
+                model=MODEL, input="after it", previous_response_id=first.id, stream=stream
+            )
+        error = follow.value
+        assert error.status_code == 503 and error.response.headers["retry-after"] == "5"
+        assert (error.code, error.param) == ("no_healthy_origin", "previous_response_id")
+        assert error.message.endswith(PINNED_UNHEALTHY)
+    with pytest.raises(openai.InternalServerError) as retrieve:
+        await client.responses.retrieve(first.id)
+    assert (retrieve.value.status_code, retrieve.value.code) == (503, "no_healthy_origin")
+    assert first.id in retrieve.value.message
+    assert stack.origin_requests() == before
+    lines = [r for r in caplog.records if "is unhealthy now" in r.getMessage()]
+    assert len(lines) == 2 and all(r.exc_info is None for r in lines)
+    origins_table(stack, version=5)
+    after = await client.responses.create(
+        model=MODEL, input="after it", previous_response_id=first.id
+    )
+    assert storing_origin(stack, after.id) == home
 
 
 def original_of(shown: str) -> str:
