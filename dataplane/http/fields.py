@@ -1055,6 +1055,18 @@ def _input_unless_the_origin_holds_it(body: dict[str, Any], stream: bool) -> Non
         raise missing("input")
 
 
+def _previous_response_or_conversation(body: dict[str, Any], stream: bool) -> None:
+    """Responses: a `previous_response_id` and a `conversation` are two sources
+    of earlier turns, which OpenAI's API refuses together ("Cannot be used in
+    conjunction with `conversation`"); they reached the origin (trial 80)."""
+    if body.get("previous_response_id") is not None and body.get("conversation") is not None:
+        raise invalid_value(
+            "previous_response_id",
+            "cannot be used with 'conversation', which holds the earlier turns itself; "
+            "send one of them",
+        )
+
+
 def _not_in_the_background(body: dict[str, Any], stream: bool) -> None:
     """Responses: `background: true` is refused. Its create answer is `queued`
     with no `usage`, and the tokens show only in a later retrieve, which is
@@ -1260,6 +1272,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             _stream_options_need_stream,
             _tool_choice_names_a_tool(flat=True, prompts=True),
             _input_unless_the_origin_holds_it,
+            _previous_response_or_conversation,
             _not_in_the_background,
         ),
     ),

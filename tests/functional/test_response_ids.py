@@ -379,6 +379,25 @@ async def test_a_background_response_is_refused_and_reaches_no_origin(
     assert answer.status == "completed"
 
 
+async def test_a_follow_up_with_a_conversation_too_is_refused_and_reaches_no_origin(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two sources of earlier turns, which OpenAI refuses together (trial 80)."""
+    client = sdk(stack)
+    first = await client.responses.create(model=MODEL, input="x")
+    before = stack.origin_requests()
+    with caplog.at_level(logging.INFO), pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(
+            model=MODEL, input="y", previous_response_id=first.id, conversation="conv_1"
+        )
+    error = refused.value
+    assert (error.code, error.param) == ("invalid_value", "previous_response_id")
+    assert "'conversation'" in error.message
+    assert stack.origin_requests() == before
+    lines = [r for r in caplog.records if "'conversation'" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None
+
+
 async def test_a_follow_up_whose_origin_is_unhealthy_is_a_503_to_retry(
     stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:

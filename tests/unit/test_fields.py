@@ -168,8 +168,9 @@ GOOD = [
         stream=True, stream_options={"include_obfuscation": False}, metadata={"a": "b"},
         user="u", previous_response_id="resp_1", store=True, truncation="auto",
         reasoning={"effort": "high", "summary": "auto"}, background=False,
-        include=["reasoning.encrypted_content"], top_logprobs=3, conversation="conv_1",
+        include=["reasoning.encrypted_content"], top_logprobs=3,
     )),
+    ("responses", response(conversation={"id": "conv_1"}, previous_response_id=None)),
     ("responses", response(tools=[{"type": "file_search"}], tool_choice={"type": "file_search"})),
     # No input where the origin holds what to answer (trial 8: OpenAI takes these).
     ("responses", {"model": "m", "prompt": {"id": "pmpt_123", "variables": {"city": "Lisbon"}}}),
@@ -402,6 +403,10 @@ BAD = [
     (R, response(include="all"), "include", T),
     # Its tokens would be known only in a later retrieve, charged no tokens (trial 80).
     (R, response(background=True), "background", V),
+    # Two sources of earlier turns, which OpenAI refuses together (trial 80).
+    (R, response(previous_response_id="resp_1", conversation="conv_1"), "previous_response_id", V),
+    (R, response(previous_response_id="resp_1", conversation={"id": "conv_1"}),
+     "previous_response_id", V),
     (R, response(background=True, stream=True), "background", V),
 ]  # fmt: skip
 
