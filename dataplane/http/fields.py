@@ -990,6 +990,22 @@ def _response_item(value: Any) -> None:
         RESPONSE_MESSAGE(value)
 
 
+def _foreground(value: Any) -> None:
+    """Responses' `background`: false alone. A background response's create
+    answer is `queued`, without `usage`, and its tokens show only in a later
+    retrieve, which is charged as a request without tokens (a poll of a
+    response already charged would count it twice): through the proxy, a
+    background response of any length charged none of its tokens to any
+    limit, budget, metric or access line (trial 80). A field rule, so a
+    tenant's default of `true` is refused too (check_default)."""
+    boolean(value)
+    if value:
+        raise _wrong_value(
+            "background responses are not served through this gateway, which could not "
+            "count their tokens; leave 'background' out"
+        )
+
+
 RESPONSE_TOOLS = array(
     typed(
         {
@@ -1064,21 +1080,6 @@ def _previous_response_or_conversation(body: dict[str, Any], stream: bool) -> No
             "previous_response_id",
             "cannot be used with 'conversation', which holds the earlier turns itself; "
             "send one of them",
-        )
-
-
-def _not_in_the_background(body: dict[str, Any], stream: bool) -> None:
-    """Responses: `background: true` is refused. Its create answer is `queued`
-    with no `usage`, and the tokens show only in a later retrieve, which is
-    charged as a request without tokens (a poll of a response already
-    charged would count it twice): through the proxy, a background response
-    of any length charged none of its tokens to any limit, budget, metric or
-    access line (trial 80). `"background": false` asks for what it gets."""
-    if body.get("background") is True:
-        raise invalid_value(
-            "background",
-            "background responses are not served through this gateway, which could not "
-            "count their tokens; leave 'background' out",
         )
 
 
@@ -1256,7 +1257,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
                     "generate_summary": enum("auto", "concise", "detailed"),
                 }
             ),
-            "background": boolean,
+            "background": _foreground,
             "include": array(string(), expected="an array of strings"),
             "conversation": either(
                 string(),
@@ -1273,7 +1274,6 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             _tool_choice_names_a_tool(flat=True, prompts=True),
             _input_unless_the_origin_holds_it,
             _previous_response_or_conversation,
-            _not_in_the_background,
         ),
     ),
 }

@@ -227,6 +227,9 @@ def test_a_value_the_model_refuses_is_reported_at_its_field(doc: Any, message: s
          "default of 'temperature': Invalid type for 'temperature'"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"n": 0}}}]}, "default of 'n'"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": 5}}}]}, "default of 'stop'"),
+        # Its tokens would be charged nowhere (trial 80).
+        ({"tenants": [{"name": "t", "prompt": {"defaults": {"background": True}}}]},
+         "default of 'background': Invalid value for 'background'"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"seed": 2**70}}}]},
          "tenants[0].prompt.defaults.seed: not a JSON value"),
         ({"tenants": [{"name": "t", "prompt": {"defaults": {"stop": [float("nan")]}}}]},
