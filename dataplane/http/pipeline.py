@@ -611,6 +611,14 @@ class Pipeline:
         if target is None or not ex.routes.serves(target, ex.model):
             if ex.model in ex.routes.unhealthy_stores.get(decoded.origin, ()):
                 raise pinned_origin_unhealthy()
+            if target is not None:
+                # Serving, but not this model (a follow-up that switched
+                # models): its store is there for a model the origin serves.
+                raise previous_response_not_found(
+                    sent,
+                    f"it is stored on an origin that does not serve model '{ex.model}'; go "
+                    "on with a model the conversation used, or start it again",
+                )
             raise previous_response_not_found(
                 sent,
                 f"it is stored on an origin that is not serving model '{ex.model}' now "
