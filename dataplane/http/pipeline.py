@@ -108,7 +108,7 @@ from dataplane.streaming.usage import (
     without_usage_asked,
 )
 from dataplane.sync.holder import TableHolder
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent
+from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, embedding_inputs
 from dataplane.upstream.hedge import HedgeSetting
 from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
 from dataplane.upstream.stalls import Stalls
@@ -859,6 +859,11 @@ class Pipeline:
                 )
                 if ex.usage_added
                 else None,
+                embeddings=(
+                    embedding_inputs(ex.body.get("input"))
+                    if ex.endpoint.name == "embeddings"
+                    else 0
+                ),
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

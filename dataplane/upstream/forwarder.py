@@ -388,6 +388,9 @@ class _Tries:
     # `stream_options.include_usage` for the proxy's count (forward's
     # `plain_body`); sent instead to an origin that refuses the member.
     plain_body: Callable[[], bytes] | None = None
+    # An embeddings request's inputs, each of which its answer must hold an
+    # embedding of (forward's `embeddings`); 0: not counted.
+    embeddings: int = 0
 
 
 class _StreamOptionsRefused(Exception):
@@ -544,6 +547,7 @@ class Forwarder:
         model: str = "",
         max_tokens_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
+        embeddings: int = 0,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -610,6 +614,10 @@ class Forwarder:
         this process (said once, at WARNING); its streams are then counted by
         their events, as for a client that asks for no usage with
         --origin-stream-usage client.
+
+        `embeddings`: how many inputs an embeddings request has (0: not
+        counted). A whole answer parsed before sending whose `data` holds
+        another number of embeddings is no answer of it (_missing_answer).
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
@@ -620,6 +628,7 @@ class Forwarder:
             model=model,
             max_tokens_added=max_tokens_added,
             plain_body=plain_body,
+            embeddings=embeddings,
         )
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
@@ -1386,7 +1395,11 @@ class Forwarder:
                     parsed: Any = jsonio.NOT_PARSED
                     if body_read is not None and 200 <= resp.status < 300 and resp.status != 204:
                         parsed = _answer_object(
-                            body_read, resp.status, content_type, path if method is None else ""
+                            body_read,
+                            resp.status,
+                            content_type,
+                            path if method is None else "",
+                            tries.embeddings if tries is not None else 0,
                         )
                     elif resp.status == NOT_FOUND and body_read is not None and method is None:
                         # (A stored response's path is no endpoint's: an origin
@@ -1623,13 +1636,16 @@ def _release_late(task: asyncio.Task[OriginAnswer]) -> None:
 PARSE_BEFORE_SENDING_MAX: Final = 1 << 20
 
 
-def _answer_object(body: bytes, status: int, content_type: str, path: str = "") -> Any:
+def _answer_object(
+    body: bytes, status: int, content_type: str, path: str = "", embeddings: int = 0
+) -> Any:
     """A 2xx whole body parsed (NOT_PARSED when too large to parse before
     sending); _Retryable "bad_answer" when it is no JSON object, which every
     endpoint answers: an nginx welcome page, a gateway's login form, another
     service's JSON, a body cut short with its length (a wrong base URL or
     port, or a broken origin); or when it holds no answer of the endpoint at
-    `path` (_missing_answer; "": not checked)."""
+    `path` (_missing_answer, with the request's `embeddings` inputs; "":
+    not checked)."""
     if len(body) > PARSE_BEFORE_SENDING_MAX:
         ends = body.strip()
         if ends[:1] == b"{" and ends[-1:] == b"}":
@@ -1652,7 +1668,7 @@ def _answer_object(body: bytes, status: int, content_type: str, path: str = "") 
         # gave it, and an account's or the origin's as a fixed message
         # (review 201: "insufficient credit on account org-..." reached it).
         raise _error_answer(parsed, status)
-    missing = _missing_answer(parsed, path)
+    missing = _missing_answer(parsed, path, embeddings)
     if missing:
         raise _Retryable(
             "bad_answer", f"answered {status} to {path} with no answer in it: {missing}", status
@@ -1660,11 +1676,16 @@ def _answer_object(body: bytes, status: int, content_type: str, path: str = "") 
     return parsed
 
 
-def _missing_answer(parsed: dict[str, Any], path: str) -> str:
+def _missing_answer(parsed: dict[str, Any], path: str, embeddings: int = 0) -> str:
     """What a 2xx body lacks to be an answer of the endpoint at `path`, ""
     when it lacks nothing (or `path` is no endpoint checked): chat's choices,
     each with a `message` object; completions' choices, each with a `text`;
-    embeddings' `data` list; a Responses object's `output` list. Trial 65: a
+    embeddings' `data` list, of one item per input when the request's
+    `embeddings` inputs are counted (trial 79: `"data": []`, or one vector
+    short of a batch, went to the client as a success and was kept in the
+    cache for its TTL; the SDK's `data[0]` failed, and a client that pairs
+    vectors with its texts by position paired them wrongly); a Responses
+    object's `output` list. Trial 65: a
     `{"object": "chat.completion"}` without choices, `"choices": []` or a
     `"message": null` reached the SDK as a 200 (the client's code crashed on
     it), and an embeddings request answered with a chat completion was kept
@@ -1696,12 +1717,26 @@ def _missing_answer(parsed: dict[str, Any], path: str) -> str:
                 return "a choice with no text"
         return ""
     if path == "/embeddings":
-        return "" if isinstance(parsed.get("data"), list) else "no data list"
+        data = parsed.get("data")
+        if not isinstance(data, list):
+            return "no data list"
+        if embeddings and len(data) != embeddings:
+            return f"{len(data)} embeddings for {embeddings} inputs"
+        return ""
     if path == RESPONSES_PATH:
         if isinstance(parsed.get("output"), list) or parsed.get("object") == "response":
             return ""
         return "no output list"
     return ""
+
+
+def embedding_inputs(value: Any) -> int:
+    """How many embeddings an embeddings request's validated `input` asks
+    for: one for a string or an array of token ids, one per item of an array
+    of strings or of token-id arrays."""
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        return len(value)
+    return 1
 
 
 NOT_FOUND = 404

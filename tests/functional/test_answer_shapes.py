@@ -1,6 +1,7 @@
 """A 2xx JSON object with no answer of its endpoint in it is a failed attempt
 (trial 65): chat without choices, `"choices": []`, a `"message": null`,
-completions without text, embeddings without `data`, a Responses object
+completions without text, embeddings without `data` or with another number
+of embeddings than the request has inputs (trial 79), a Responses object
 without `output`. The next origin answers; when none does, the client gets
 a 502 in OpenAI's shape, and nothing is cached. The real proxy app before two
 hand-written origins that answer with the body they are told to.
@@ -123,9 +124,21 @@ NO_ANSWERS = [
     ("/v1/chat/completions", {"choices": ["hi"]}),
     ("/v1/completions", {"choices": [{"index": 0, "message": {"content": "hi"}}]}),
     ("/v1/embeddings", GOOD["/v1/chat/completions"]),
+    ("/v1/embeddings", {"object": "list", "data": []}),
+    ("/v1/embeddings", {"object": "list", "data": GOOD["/v1/embeddings"]["data"] * 2}),
     ("/v1/responses", {"id": "resp_x", "status": "completed"}),
 ]
-IDS = ["no-choices", "empty-choices", "null-message", "str-choice", "no-text", "chat", "no-output"]
+IDS = [
+    "no-choices",
+    "empty-choices",
+    "null-message",
+    "str-choice",
+    "no-text",
+    "chat",
+    "no-embeddings",
+    "more-embeddings",
+    "no-output",
+]
 
 
 @pytest.mark.parametrize(("path", "bad"), NO_ANSWERS, ids=IDS)
@@ -200,3 +213,32 @@ async def test_a_stream_answered_with_no_answer_in_a_whole_body_fails_over(rig: 
     deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
     assert "".join(d.get("content") or "" for d in deltas) == "hi"
     assert rig.bad_answers() == 1
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        ["a", "b"],  # GOOD's one embedding is one short of these two batches
+        [[1, 2], [3]],
+        "a",
+        [1, 2, 3],  # one array of token ids: one input
+    ],
+    ids=["texts", "token-arrays", "text", "token-ids"],
+)
+async def test_an_embeddings_answer_holds_one_embedding_per_input(rig: Rig, inputs: Any) -> None:
+    """Trial 79: an origin's answer one embedding short of its batch went to
+    the client as a success, and was kept: a client pairing vectors with its
+    texts by position paired them wrongly for the cache's TTL."""
+    one = isinstance(inputs, str) or isinstance(inputs[0], int)
+    resp = await rig.post("/v1/embeddings", input=inputs)
+    if one:
+        assert resp.status == 200
+        assert len((await resp.json())["data"]) == 1
+        assert (rig.origins.calls, rig.bad_answers()) == (1, 0)
+        return
+    assert resp.status == 502
+    assert error_of(await resp.json())["type"] == "upstream_error"
+    assert (rig.origins.calls, rig.bad_answers()) == (2, 2)
+    # Not kept: asked again, it goes to the origins again.
+    assert (await rig.post("/v1/embeddings", input=inputs)).status == 502
+    assert rig.origins.calls == 4

@@ -128,7 +128,12 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
             await resp.write(STREAM)
             await resp.write_eof()
             return resp
-        return web.json_response(ANSWERS[request.path])
+        answer = ANSWERS[request.path]
+        inputs = json.loads(raw).get("input")
+        if request.path == "/v1/embeddings" and isinstance(inputs, list):
+            # One embedding per input, as the proxy checks (a batch of strings here).
+            answer = {**answer, "data": answer["data"] * len(inputs)}
+        return web.json_response(answer)
 
     origin_app = web.Application()
     for path in ANSWERS:
