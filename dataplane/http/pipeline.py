@@ -673,7 +673,8 @@ class Pipeline:
         if not admission.ok:
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
             self.metrics.limit_refusal(ex.principal.tenant, limit)
-            raise refusal(admission)
+            embeddings = ex.endpoint.name == "embeddings"
+            raise refusal(admission, embedding_inputs(ex.body.get("input")) if embeddings else 0)
         ex.admission = admission
 
     async def answer(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
@@ -1629,10 +1630,30 @@ async def admit_when_slot_frees(
     return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most)
 
 
-def refusal(admission: Admission) -> ApiError:
+def refusal(admission: Admission, inputs: int = 0) -> ApiError:
     """429 in OpenAI's words, or 400 for a request no wait could admit. The
     message says when to try again as the reset header does (`retry_in`);
-    `Retry-After` is that wait in whole seconds, rounded up."""
+    `Retry-After` is that wait in whole seconds, rounded up. `inputs`: an
+    embeddings request's inputs (0: another endpoint's request), whose 400
+    names them and what splitting them does."""
+    if admission.too_large and inputs:
+        # Trial 79: a RAG app's batch of 1,000 chunks was told to shorten
+        # its prompt and that max_tokens did not count: it has neither, and
+        # what it can change is how many inputs it sends at once.
+        split = (
+            f"Send its {inputs} inputs in smaller batches (the openai SDK sends the list "
+            "it is given; LangChain's OpenAIEmbeddings sends chunk_size at once)"
+            if inputs > 1
+            else "Shorten the input"
+        )
+        return ApiError(
+            400,
+            f"Request too large for the {_WHOLE_LIMITS[admission.limit or 'tokens']}: "
+            f"its input is estimated at {admission.est_tokens} tokens (text at 4 "
+            "characters a token, token ids one each), and the limit is "
+            f"{admission.tpm}, so no wait can admit it. {split}, or ask for a higher limit.",
+            code="tokens_over_limit",
+        )
     if admission.too_large:
         # Only the prompt's estimate is charged at admission (the completion
         # is settled after the answer), so max_tokens is not part of it and

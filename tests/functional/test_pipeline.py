@@ -695,6 +695,49 @@ async def test_a_refusal_after_an_origin_failed_with_the_request_charges_nothing
         await s.close()
 
 
+@pytest.mark.parametrize(
+    ("inputs", "advice"),
+    [
+        (["word " * 400] * 3, "Send its 3 inputs in smaller batches"),
+        ([[7] * 600, [8] * 600], "Send its 2 inputs in smaller batches"),
+        ("word " * 1000, "Shorten the input, or"),
+    ],
+    ids=["texts", "token-arrays", "one-text"],
+)
+async def test_an_embeddings_batch_past_a_whole_limit_is_told_to_split_it(
+    tmp_path: Path, inputs: Any, advice: str
+) -> None:
+    """Trial 79: a RAG app's batch past its key's whole tokens-per-minute
+    limit was told to shorten its prompt, and that max_tokens did not count:
+    an embeddings request has neither; its inputs can be sent in batches."""
+    calls: list[bytes] = []
+
+    async def embed(request: web.Request) -> web.StreamResponse:
+        calls.append(await request.read())
+        return web.json_response({"object": "list", "data": []})
+
+    s = await stack_on(tmp_path, embed, "/v1/embeddings")
+    try:
+        t = table([("custom", str(s.others[0].make_url("/v1")))], version=4)
+        t.keys[1].limits.CopyFrom(pb.Limits(tpm=1000))
+        t.etag = content_etag(t)
+        s.app[HOLDER].apply(t, "control-plane")
+        headers = {"authorization": f"Bearer {LIMITED_KEY.key}"}
+        body = {"model": MODEL, "input": inputs}
+        resp = await s.client.post("/v1/embeddings", json=body, headers=headers)
+        assert resp.status == 400, await resp.text()
+        err = error_of(await resp.json())
+        assert err["code"] == "tokens_over_limit"
+        assert err["message"].startswith(
+            "Request too large for the tokens-per-minute limit: its input is estimated at "
+        )
+        assert advice in err["message"]
+        assert "max_tokens" not in err["message"] and "prompt" not in err["message"]
+        assert calls == []
+    finally:
+        await s.close()
+
+
 # What a hosted API sends with every answer about the operator's account.
 ACCOUNT_HEADERS = {
     "openai-organization": "operator-org",

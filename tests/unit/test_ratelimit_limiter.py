@@ -226,6 +226,15 @@ def test_a_request_too_large_is_told_its_prompt_estimate_and_the_limit_not_max_t
         "Shorten the prompt, or ask for a higher limit (max_tokens does not count here)."
     )
     assert "lower max_tokens" not in error.message
+    # An embeddings request's: its input, and its batch (trial 79).
+    assert refusal(refused, inputs=1000).message == (
+        "Request too large for the tokens-per-minute limit: its input is estimated at "
+        "760 tokens (text at 4 characters a token, token ids one each), and the limit is "
+        "600, so no wait can admit it. Send its 1000 inputs in smaller batches (the openai "
+        "SDK sends the list it is given; LangChain's OpenAIEmbeddings sends chunk_size at "
+        "once), or ask for a higher limit."
+    )
+    assert "Shorten the input, or ask" in refusal(refused, inputs=1).message
 
 
 # ---------------------------------------------------------------- headers
