@@ -47,6 +47,11 @@ Routes:
   ``previous_response_id`` is looked up (404 as on vLLM when unknown; the
   earlier turns then come before the new input),
   echoed in the answer, and the stored-response routes below find them.
+  Embeddings are 8 numbers per input (the first ``dimensions`` of them,
+  normalised again, when asked: 1 to 8, else a 400), made at once: no
+  ``ttft_ms`` or prefill, so a test that needs one in flight sends
+  ``x-sim-delay-ms`` (through a proxy, with ``--forward-headers``); any
+  served model answers them, as any answers chat.
 * ``GET /v1/responses/{id}`` (``?stream=true`` sends its events again),
   ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (a 400
   for a finished response, as vLLM and OpenAI answer one not made in the
@@ -117,6 +122,7 @@ from ponto.originsim.kvcache import (
 )
 from ponto.originsim.slots import FifoSlots
 from ponto.originsim.synth import (
+    EMBEDDING_DIM,
     answer_seed,
     embed,
     embedding_base64,
@@ -1652,10 +1658,24 @@ async def _embeddings(request: web.Request, state: SimState, body: object) -> we
             param="encoding_format",
             code="invalid_value",
         )
+    dimensions = obj.get("dimensions")
+    if dimensions is None:
+        dimensions = EMBEDDING_DIM
+    elif type(dimensions) is not int or not 1 <= dimensions <= EMBEDDING_DIM:
+        # Trial 79: it was ignored, so a client asking for fewer numbers got
+        # all 8, and one asking for more than the model has got no error
+        # (vLLM and OpenAI refuse it).
+        raise _ApiError(
+            400,
+            f"'dimensions' must be an integer from 1 to {EMBEDDING_DIM}, "
+            f"the size of this model's embeddings.",
+            param="dimensions",
+            code="invalid_value",
+        )
     data: list[dict[str, object]] = []
     async with state.occupy(model):
         for i, (key, _) in enumerate(inputs):
-            vector = embed(model, key)
+            vector = embed(model, key, dimensions)
             embedding: object = embedding_base64(vector) if encoding == "base64" else vector
             data.append({"object": "embedding", "index": i, "embedding": embedding})
     tokens = sum(len(item_tokens) for _, item_tokens in inputs)

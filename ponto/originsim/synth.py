@@ -130,9 +130,11 @@ def vocab_tail(text: str, limit: int) -> list[int]:
     return cuts
 
 
-def embed(model: str, text: str) -> list[float]:
-    """Return a unit vector of :data:`EMBEDDING_DIM` floats determined by ``model`` and ``text``."""
-    raw = struct.unpack(f">{EMBEDDING_DIM}i", _digest(model, text))
+def embed(model: str, text: str, dimensions: int = EMBEDDING_DIM) -> list[float]:
+    """Return a unit vector of ``dimensions`` floats (1 to :data:`EMBEDDING_DIM`)
+    determined by ``model`` and ``text``: the full vector's first ``dimensions``
+    numbers, normalised again, as OpenAI shortens a text-embedding-3 vector."""
+    raw = struct.unpack(f">{EMBEDDING_DIM}i", _digest(model, text))[:dimensions]
     # All 32 digest bytes being zero is a 2**-256 event, so norm is never 0.
     norm = math.sqrt(sum(v * v for v in raw))
     return [v / norm for v in raw]

@@ -261,6 +261,39 @@ async def test_embeddings_shape(client: SimClient) -> None:
     assert decoded == pytest.approx(single["data"][0]["embedding"], rel=1e-6)
 
 
+async def test_embeddings_take_dimensions_as_openai_shortens_them(client: SimClient) -> None:
+    """Trial 79: `dimensions` was ignored (8 numbers whatever was asked), so
+    no test through the simulator could tell a request for 4 from one for 8."""
+    full = await post_json(client, EMBEDDINGS, {"model": "sim-small", "input": "a b"})
+    whole = full["data"][0]["embedding"]
+    for dims in (1, 4, 8):
+        body = {"model": "sim-small", "input": ["a b", "c"], "dimensions": dims}
+        data = await post_json(client, EMBEDDINGS, body)
+        for item in data["data"]:
+            assert len(item["embedding"]) == dims
+            assert math.isclose(math.sqrt(sum(v * v for v in item["embedding"])), 1.0)
+        # The whole vector's first numbers, normalised again.
+        norm = math.sqrt(sum(v * v for v in whole[:dims]))
+        assert data["data"][0]["embedding"] == pytest.approx([v / norm for v in whole[:dims]])
+    packed = await post_json(
+        client,
+        EMBEDDINGS,
+        {"model": "sim-small", "input": "a b", "encoding_format": "base64", "dimensions": 3},
+    )
+    assert len(base64.b64decode(packed["data"][0]["embedding"])) == 3 * 4
+
+
+@pytest.mark.parametrize("dims", [0, 9, 4.0, True, "4"])
+async def test_embeddings_refuse_dimensions_the_model_has_not(
+    client: SimClient, dims: object
+) -> None:
+    body = {"model": "sim-small", "input": "a b", "dimensions": dims}
+    resp = await client.post(EMBEDDINGS, json=body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert (error["param"], error["code"]) == ("dimensions", "invalid_value")
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
