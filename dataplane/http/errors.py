@@ -187,6 +187,21 @@ def model_not_found(name: str, refused_by: str = "") -> ApiError:
     return error
 
 
+def endpoint_not_served(model: str, path: str) -> ApiError:
+    """400 for a request every origin tried answered 501 Not Implemented: its
+    model is not served at that endpoint (a chat model asked for embeddings:
+    llama.cpp without --embeddings, Ollama). The client's to fix, and no
+    retry changes it: a 5xx would be retried by the SDKs in vain."""
+    return ApiError(
+        400,
+        f"The model '{model[:256]}' does not serve /v1{path}: its servers answered 501 Not "
+        "Implemented (a chat model asked for embeddings, say). Use a model that serves this "
+        "endpoint.",
+        param="model",
+        code="model_not_supported",
+    )
+
+
 def previous_response_not_found(sent: str, why: str) -> ApiError:
     """400 for a `previous_response_id` of ours (dataplane.upstream.responseids)
     that no origin this request may use holds for the caller: `why` says why,

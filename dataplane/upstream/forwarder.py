@@ -42,6 +42,7 @@ from dataplane.http.errors import (
     UPSTREAM_SLOW,
     UPSTREAM_UNANSWERED,
     UPSTREAM_UNAVAILABLE,
+    endpoint_not_served,
     error_blame,
     model_not_found,
     origin_busy,
@@ -229,6 +230,11 @@ ERROR_ANSWER: Final = "error_answer"
 # The outcome of a 404 that says the origin lacks the request's model, which
 # the route table lists it for (_check_not_found).
 MODEL_MISSING: Final = "model_missing"
+# The outcome of a 501 Not Implemented: the origin does not serve the
+# request's endpoint for its model (llama.cpp started without --embeddings,
+# Ollama, each asked for embeddings of a chat model).
+NOT_SERVED: Final = "not_implemented"
+NOT_IMPLEMENTED: Final = 501
 # The outcomes of a call that got no connection (wire.OriginFull), by its `why`:
 # none came free within --origin-queue-timeout, or the tenant held its share.
 # Never sent: the next origin is tried, and neither counts against the origin.
@@ -381,6 +387,8 @@ class _Tries:
     model: str = ""
     # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
     model_missing: int = 0
+    # Attempts whose origin answered 501 (NOT_SERVED).
+    not_served: int = 0
     # The body's `max_tokens` is the proxy's (the tenant's ceiling or default),
     # not the client's: sent in each origin's own field (Target.max_tokens_field).
     max_tokens_added: bool = False
@@ -685,13 +693,16 @@ class Forwarder:
                 )
             return answer
         timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
-        self._tell(
-            tries,
-            "no origin could serve %s after %d attempt(s): %s",
-            headers["x-request-id"],
-            len(failures),
-            "; ".join(failures) or "no candidate",
-        )
+        if not (tries.not_served and tries.not_served == tries.failed):
+            # (A request no origin serves is the client's: its refusal's line
+            # tells it, and _failed told each origin's 501 once a minute.)
+            self._tell(
+                tries,
+                "no origin could serve %s after %d attempt(s): %s",
+                headers["x-request-id"],
+                len(failures),
+                "; ".join(failures) or "no candidate",
+            )
         if tries.too_large:
             error = upstream_too_large(settings.max_answer_bytes)
         elif timed_out:
@@ -703,6 +714,8 @@ class Forwarder:
         elif tries.model_missing and tries.model_missing == tries.failed:
             # Every origin tried lacks it: the client's answer is OpenAI's.
             error = model_not_found(model or "requested")
+        elif tries.not_served and tries.not_served == tries.failed:
+            error = endpoint_not_served(model or "requested", path)
         elif tries.shown is not None:
             error = upstream_error_answer(tries.shown)
         else:
@@ -1033,6 +1046,21 @@ class Forwarder:
             # may serve its other models well (one adapter not loaded would
             # take a healthy replica from every model's traffic).
             return
+        if exc.outcome == NOT_SERVED:
+            tries.not_served += 1
+            # Trial 79: as a 5xx, a client asking a chat model for embeddings
+            # (llama.cpp, Ollama: 501) ejected every origin of the model, and
+            # was told to retry. The origin serves its other requests well.
+            self._missing_told.log(
+                f"{target.name} 501",
+                logging.WARNING,
+                "origin %s answered 501 Not Implemented for model %s (it does not serve that "
+                "endpoint for it: llama.cpp without --embeddings, or a chat model asked for "
+                "embeddings?); failed over, not against its health",
+                target.name,
+                tries.model or "?",
+            )
+            return
         if exc.outcome == ERROR_ANSWER:
             tries.shown = exc.shown or tries.shown
             if exc.blame == "account":
@@ -1273,6 +1301,13 @@ class Forwarder:
                     loads.finished(target.name)
                     raise
                 try:
+                    if resp.status == NOT_IMPLEMENTED and method is None:
+                        raise _Retryable(
+                            NOT_SERVED,
+                            "answered 501: it does not serve this endpoint for the model",
+                            resp.status,
+                            worked=False,
+                        )
                     if resp.status >= RETRY_STATUS_MIN:
                         raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
                     if resp.status == BUSY:

@@ -623,6 +623,71 @@ async def test_an_origin_408_or_402_is_failed_over_and_a_502_when_none_is_left(
         await s.close()
 
 
+# What llama.cpp's server answers for embeddings of a model it was not started
+# to embed with (Ollama's runner says the same).
+NOT_IMPLEMENTED = (
+    b'{"error": {"code": 501, "type": "not_supported_error", "message": "This server does '
+    b'not support embeddings. Start it with `--embeddings`"}}'
+)
+
+
+async def chat_only_origin(s: Stack) -> str:
+    """The base URL of a new origin that answers embeddings 501, as llama.cpp
+    does for a chat model."""
+    app = web.Application()
+    app.router.add_post("/v1/embeddings", answering(501, NOT_IMPLEMENTED, "application/json"))
+    server = TestServer(app)
+    s.others.append(server)
+    await server.start_server()
+    return str(server.make_url("/v1"))
+
+
+async def test_an_origin_501_is_failed_over_not_against_its_health_and_a_400_when_none_serves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 79: a RAG app asking a chat model for embeddings got 502s "retry
+    shortly" (which the SDK retried), and its origins were ejected for every
+    model's traffic, as if they had failed."""
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    registry = s.app[METRICS].registry
+
+    def ejections(origin: str) -> float:
+        return registry.get_sample_value("ponto_origin_ejections_total", {"origin": origin}) or 0
+
+    def embed(text: str) -> Any:
+        body = {"model": MODEL, "input": text}
+        return s.client.post("/v1/embeddings", json=body, headers=AUTH)
+
+    try:
+        bad = await chat_only_origin(s)
+        serve(s, [("bad", bad), ("good", str(s.origins[0].make_url("/v1")))])
+        for i in range(8):  # the weighted order puts "bad" first about half the time
+            resp = await embed(f"failover {i}")
+            assert resp.status == 200
+            assert resp.headers["x-ponto-origin"] == "good"
+        outcome = {"origin": "bad", "outcome": "not_implemented"}
+        assert (registry.get_sample_value("ponto_upstream_attempts_total", outcome) or 0) > 0
+        serve(s, [("bad", bad), ("worse", await chat_only_origin(s))])
+        with caplog.at_level(logging.WARNING):
+            for i in range(4):
+                resp = await embed(f"nobody {i}")
+                assert resp.status == 400
+                error = error_of(await resp.json())
+                assert (error["code"], error["param"]) == ("model_not_supported", "model")
+                assert error["message"].startswith(
+                    f"The model '{MODEL}' does not serve /v1/embeddings: its servers answered "
+                    "501 Not Implemented"
+                )
+        assert (ejections("bad"), ejections("worse")) == (0, 0)
+        told = [r.getMessage() for r in caplog.records if "501 Not Implemented" in r.getMessage()]
+        assert len(told) == 2  # once per origin a minute
+        assert all(f"for model {MODEL}" in line for line in told)
+        # Each refusal is the client's, told once (its refusal's line), not as origins failing.
+        assert not [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+    finally:
+        await s.close()
+
+
 async def test_a_200_that_is_an_error_is_failed_over_and_passed_on_when_none_is_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
