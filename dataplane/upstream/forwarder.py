@@ -178,6 +178,12 @@ ORIGIN_TIMED_OUT = 408
 # a 502 like a refused credential. Passed on, the SDK raised an error telling
 # the client to pay, and no other origin was tried (trial 51).
 PAYMENT_REQUIRED = 402
+# TGI's and TEI's answer when their model backend failed (a shard that died,
+# CUDA out of memory: their ErrorType::Backend, InferError::GenerationError):
+# the origin's failure, as a 5xx. Passed on as a 4xx (trial 79), the client
+# got a 424 after one attempt, no other origin was asked, and the replica
+# stayed in rotation failing every request.
+BACKEND_FAILED = 424
 BAD_REQUEST = 400
 # An origin that redirects a POST is misconfigured (its base URL wants https,
 # or a trailing slash): its answer is not one, and following it would resend
@@ -1308,7 +1314,7 @@ class Forwarder:
                             resp.status,
                             worked=False,
                         )
-                    if resp.status >= RETRY_STATUS_MIN:
+                    if resp.status >= RETRY_STATUS_MIN or resp.status == BACKEND_FAILED:
                         raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
                     if resp.status == BUSY:
                         raise _Retryable(

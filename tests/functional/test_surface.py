@@ -589,15 +589,16 @@ async def test_an_origin_404_that_is_no_openai_error_is_a_wrong_url_and_failed_o
 
 @pytest.mark.parametrize(
     ("status", "message"),
-    [(408, UPSTREAM_SLOW), (402, UPSTREAM_GATEWAY_REFUSED)],
-    ids=["timed out waiting", "payment required"],
+    [(408, UPSTREAM_SLOW), (402, UPSTREAM_GATEWAY_REFUSED), (424, UPSTREAM_FAILED)],
+    ids=["timed out waiting", "payment required", "backend failed"],
 )
-async def test_an_origin_408_or_402_is_failed_over_and_a_502_when_none_is_left(
+async def test_an_origin_408_402_or_424_is_failed_over_and_a_502_when_none_is_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, status: int, message: str
 ) -> None:
     """Trial 51: an origin's 408 (it timed out waiting for the request) and 402
     (the operator's account wants payment) reached the client after one
-    attempt; neither is the client's fault, and another origin may answer."""
+    attempt; neither is the client's fault, and another origin may answer.
+    Trial 79: so did TGI's and TEI's 424 (their model backend failed)."""
     body = b'{"error": {"message": "Insufficient credit on account org-operator"}}'
     s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
     try:
