@@ -647,7 +647,8 @@ def origin_error(
 
     With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
     (`{"error": {"message": ...}}`, vLLM's flat `{"object": "error",
-    "message": ...}`, or TGI's `{"error": "...", "error_type": ...}`) is
+    "message": ...}`, TGI's `{"error": "...", "error_type": ...}`, or TEI's
+    `{"message": ..., "code": STATUS, "type": ...}`) is
     rebuilt from its message (at most MAX_ORIGIN_MESSAGE characters), type,
     param and code (strings of at most MAX_ORIGIN_NAME, or null); other
     members are dropped. Anything else becomes a
@@ -719,6 +720,12 @@ def _error_fields(obj: dict[str, object]) -> Mapping[str, object] | None:
         # TGI's shape: `{"error": "Input validation error: ...", "error_type":
         # "validation"}` (trial 51: replaced by the fixed message).
         return {"message": inner, "type": obj.get("error_type")}
+    if inner is None and type(obj.get("code")) is int and isinstance(obj.get("type"), str):
+        # TEI's OpenAI-compatible shape: `{"message": "batch size 64 > maximum
+        # allowed batch size 32", "code": 413, "type": "validation"}`, its code
+        # the status (trial 79: the fixed message left a RAG app to guess
+        # that its batches had to be smaller).
+        return {"message": obj.get("message"), "type": obj["type"]}
     return None
 
 

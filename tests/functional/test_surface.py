@@ -372,6 +372,19 @@ ORIGIN_ERRORS = [
         },
     ),
     (
+        "tei error",
+        413,
+        b'{"message": "batch size 64 > maximum allowed batch size 32", "code": 413,'
+        b' "type": "validation"}',
+        "application/json",
+        {
+            "message": "batch size 64 > maximum allowed batch size 32",
+            "type": "validation",
+            "param": None,
+            "code": None,
+        },
+    ),
+    (
         "text page",
         400,
         b"Bad Request: header too large at gpu-node-17.internal:8000",

@@ -219,6 +219,22 @@ def test_a_tgi_error_is_passed_with_its_error_type() -> None:
     assert untyped["error"]["type"] == "invalid_request_error"
 
 
+def test_a_tei_error_is_passed_with_its_type() -> None:
+    # TEI's OpenAI-compatible shape: flat, its code the status (trial 79: the
+    # fixed message; a RAG app could not tell that its batch was too large).
+    body = b'{"message": "batch size 64 > maximum allowed batch size 32", "code": 413,'
+    body += b' "type": "validation"}'
+    shown = json.loads(origin_error(413, "application/json", body).body)
+    assert shown == {
+        "error": {
+            "message": "batch size 64 > maximum allowed batch size 32",
+            "type": "validation",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
 def test_an_origin_errors_names_past_their_bound_are_dropped() -> None:
     body = jsonio.dumps(
         {"error": {"message": "bad", "type": "t" * 257, "param": "p" * 257, "code": "c"}}
@@ -243,6 +259,10 @@ def test_an_origin_errors_names_past_their_bound_are_dropped() -> None:
         (400, "application/json", b'{"error": 5, "error_type": "validation"}'),
         (400, "application/json", b'{"error": {"message": ""}}'),
         (413, "application/json", b"not json"),
+        # Flat, but not TEI's: no integer code, or no type.
+        (413, "application/json", b'{"message": "m", "code": "413", "type": "validation"}'),
+        (413, "application/json", b'{"message": "m", "code": 413}'),
+        (413, "application/json", b'{"message": "", "code": 413, "type": "validation"}'),
     ],
 )
 def test_any_other_origin_error_becomes_a_fixed_one(
