@@ -108,7 +108,13 @@ from dataplane.streaming.usage import (
     without_usage_asked,
 )
 from dataplane.sync.holder import TableHolder
-from dataplane.upstream.forwarder import Forwarder, OriginAnswer, Sent, embedding_inputs
+from dataplane.upstream.forwarder import (
+    Forwarder,
+    OriginAnswer,
+    Sent,
+    embedding_inputs,
+    miscounted,
+)
 from dataplane.upstream.hedge import HedgeSetting
 from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
 from dataplane.upstream.stalls import Stalls
@@ -1010,6 +1016,12 @@ class Pipeline:
             # what the access log and ponto_tenant_tokens_total show.
             ex.usage = Usage(0, 0)
         if not parsed:
+            if ex.endpoint.name == "embeddings" and miscounted(
+                obj, embedding_inputs(ex.body.get("input"))
+            ):
+                # Too large to be checked before it was sent (the forwarder
+                # fails a smaller one over): relayed, but never kept.
+                obj = None
             entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
         if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
             self.cache.finish_flight(plan, None)

@@ -1761,7 +1761,7 @@ def _missing_answer(parsed: dict[str, Any], path: str, embeddings: int = 0) -> s
         data = parsed.get("data")
         if not isinstance(data, list):
             return "no data list"
-        if embeddings and len(data) != embeddings:
+        if embeddings and miscounted(parsed, embeddings):
             return f"{len(data)} embeddings for {embeddings} inputs"
         return ""
     if path == RESPONSES_PATH:
@@ -1778,6 +1778,14 @@ def embedding_inputs(value: Any) -> int:
     if isinstance(value, list) and value and not isinstance(value[0], int):
         return len(value)
     return 1
+
+
+def miscounted(obj: Any, inputs: int) -> bool:
+    """Whether `obj`, an embeddings answer parsed, holds a `data` list of
+    another number of embeddings than its request's `inputs`
+    (embedding_inputs): no answer of it (_missing_answer), never kept."""
+    data = obj.get("data") if isinstance(obj, dict) else None
+    return isinstance(data, list) and len(data) != inputs
 
 
 NOT_FOUND = 404

@@ -87,9 +87,11 @@ async def two_origins(
     tmp_path: Path,
     handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
     paths: Iterable[str],
+    args: list[str] | None = None,
 ) -> Stack:
-    """The real proxy app before two origins, o1 and o2, each answering
-    `paths` with `handle` (one handler: the test says what they answer)."""
+    """The real proxy app (with `args`) before two origins, o1 and o2, each
+    answering `paths` with `handle` (one handler: the test says what they
+    answer)."""
     servers = []
     for _ in range(2):
         app = web.Application()
@@ -98,7 +100,7 @@ async def two_origins(
         server = TestServer(app)
         await server.start_server()
         servers.append(server)
-    s = await start_stack(tmp_path, [])
+    s = await start_stack(tmp_path, [], args)
     s.others.extend(servers)
     urls = [(f"o{i + 1}", str(server.make_url("/v1"))) for i, server in enumerate(servers)]
     s.app[HOLDER].apply(table(urls, version=3), "control-plane")
@@ -242,3 +244,30 @@ async def test_an_embeddings_answer_holds_one_embedding_per_input(rig: Rig, inpu
     # Not kept: asked again, it goes to the origins again.
     assert (await rig.post("/v1/embeddings", input=inputs)).status == 502
     assert rig.origins.calls == 4
+
+
+async def test_an_embeddings_answer_too_large_to_check_first_is_not_kept_when_miscounted(
+    tmp_path: Path,
+) -> None:
+    """An answer over 1 MiB is sent before it is parsed, so no other origin
+    can be asked for it; one embedding short of its batch, it is relayed but
+    never kept (with a --cache-max-entry-kb that keeps such answers)."""
+    shared = Shared()
+    s = await two_origins(tmp_path, shared.handle, GOOD, ["--cache-max-entry-kb", "4096"])
+    try:
+        rig = Rig(s, shared)
+        big = {"object": "list", "data": [{"index": 0, "embedding": [0.25] * 250_000}]}
+        shared.bad, shared.bad_calls = big, 4
+        for calls in (1, 2):
+            resp = await rig.post("/v1/embeddings", input=["a", "b"])
+            assert resp.status == 200
+            assert len(await resp.read()) > 1 << 20
+            assert (resp.headers["x-ponto-cache"], shared.calls) == ("miss", calls)
+        # The same answer to one input is kept: the repeat is a hit.
+        for cache in ("miss", "hit"):
+            resp = await rig.post("/v1/embeddings", input=["a"])
+            assert (resp.status, resp.headers["x-ponto-cache"]) == (200, cache)
+            await resp.read()
+        assert shared.calls == 3
+    finally:
+        await s.close()
