@@ -42,6 +42,7 @@ from controlplane.store.rebased import RebasedStore
 from controlplane.web import StatusWeb
 from ponto.cliargs import cannot_listen, hostport, listen_address
 from ponto.grpcconn import KEEPALIVE_OPTIONS, MIN_PING_INTERVAL_MS
+from ponto.listening import tcp_site
 from ponto.v1 import admin_pb2, admin_pb2_grpc, routing_pb2
 from ponto.writefile import write_atomic
 
@@ -369,8 +370,8 @@ class ControlPlane:
         host, port = _address(listen)
         self.web_runner = self.web.runner()
         await self.web_runner.setup()
-        site = web.TCPSite(self.web_runner, host, port)
         try:
+            site = tcp_site(self.web_runner, host, port)
             await site.start()
         except OSError as exc:
             raise ListenError(cannot_listen(listen, exc)) from None

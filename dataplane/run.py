@@ -35,6 +35,7 @@ from dataplane.settings import Settings, available_cores, parse
 from dataplane.stopsignals import LEAVE_SIGNAL, RELOAD_SIGNAL, STOP_SIGNALS, take_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.cliargs import hostport
+from ponto.listening import tcp_site
 from ponto.logs import setup_logging
 from ponto.version import software_version
 from ponto.writefile import write_atomic
@@ -88,7 +89,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     site: web.BaseSite
     try:
         if slot is None:
-            site = web.TCPSite(
+            site = tcp_site(
                 runner, settings.listen_host, settings.listen_port, backlog=LISTEN_BACKLOG
             )
             await site.start()
@@ -100,7 +101,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     server = site._server
     assert server is not None
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    address = f"{settings.listen_host}:{port}"
+    address = hostport(settings.listen_host, port)
     tune_gc()
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
     if public_metrics(settings) and (slot is None or slot.index == 0):
@@ -249,7 +250,7 @@ async def serve_metrics(
     site: web.BaseSite
     try:
         if slot is None:
-            site = web.TCPSite(runner, host, port)
+            site = tcp_site(runner, host, port)
             await site.start()
         else:
             site = await workers.start_sites(

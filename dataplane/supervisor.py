@@ -42,6 +42,7 @@ from dataplane.stopsignals import (
     take_signals,
 )
 from ponto.cliargs import cannot_listen, hostport
+from ponto.listening import bound_socket
 from ponto.logs import setup_logging
 from ponto.writefile import write_atomic
 
@@ -198,24 +199,8 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _bound(host: str, port: int, *, reuse_port: bool) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # As asyncio does: restarting is not refused for connections in TIME_WAIT,
-        # and an IPv6 address means IPv6 only.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    # As every server of Ponto binds (ponto.listening): "::" takes IPv4 too.
+    return bound_socket(host, port, reuse_port=reuse_port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,7 +433,7 @@ class Supervisor:
         """Write --ready-file once every worker listens."""
         s = self.group
         await asyncio.gather(*(slot.up.wait() for slot in self._slots))
-        address = f"{s.listen_host}:{port}"
+        address = hostport(s.listen_host, port)
         log.info("%d workers of proxy %s listening on http://%s", s.workers, s.name, address)
         if s.ready_file:
             write_atomic(Path(s.ready_file), address.encode())

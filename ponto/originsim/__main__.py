@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ponto.cliargs import cannot_listen, finite_float, hostport, listen_address
+from ponto.listening import tcp_site
 from ponto.logs import formatter
 from ponto.originsim.app import SimConfig, build_app
 
@@ -204,7 +205,7 @@ async def _serve(
     try:
         host, port = listen
         try:
-            await web.TCPSite(runner, host, port).start()
+            await tcp_site(runner, host, port).start()
         except OSError as exc:
             sys.stderr.write(
                 f"origin-sim {config.name}: {cannot_listen(hostport(host, port), exc)}\n"

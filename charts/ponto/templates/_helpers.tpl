@@ -617,8 +617,8 @@ Call with (list constraints selectorYaml).
 
 {{/*
 HOST:PORT a server of the release listens on, every address of the pod's:
-listenAddress "0.0.0.0" (IPv4) or "::" (IPv6, and IPv4 too where the node
-maps it). Call with (list $ port).
+listenAddress "0.0.0.0" (IPv4) or "::" (IPv6 and IPv4: every server takes
+IPv4 connections there too, as IPv4-mapped addresses). Call with (list $ port).
 */}}
 {{- define "ponto.listen" -}}
 {{- $host := (index . 0).Values.listenAddress -}}
