@@ -170,8 +170,15 @@ def redact_url(url: str) -> str:
 
 
 # A URL inside a longer text (a JSON value, a change's before or after): up
-# to a space, a quote, a backslash (a JSON escape) or a bracket.
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'\\<>{}\[\]]+")
+# to a space, a quote, a backslash (a JSON escape) or a bracket, but for the
+# brackets of an IPv6 host (http://u:p@[fd00::1]:8000/v1?token=...), whose
+# opening one had ended the URL before its query (trial 78: a refused IPv6
+# origin's ?api_key= was kept whole in the audit trail).
+_URL_IN_TEXT = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://"
+    r"(?:[^\s\"'\\<>{}\[\]/?#]*\[[^\s\"'\\<>{}\[\]]*\])?"
+    r"[^\s\"'\\<>{}\[\]]*"
+)
 
 
 def redact_urls(text: str) -> str:

@@ -753,6 +753,9 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
             "http://llm.example/v1?token=pw-SECRET3",
             "http://llm.example/v1#pw-SECRET3",
             "http://u:p@llm.example/v1?token=pw-SECRET3",  # review 41: userinfo and a query
+            # Trial 78: an IPv6 host's bracket ended the URL the trail redacts.
+            "http://[fd00::1]:8000/v1?token=pw-SECRET3",
+            "http://u:p@[fd00::1]/v1#pw-SECRET3",
         ):
             spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
             refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
@@ -763,6 +766,8 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
         "http://llm.example/v1?***",
         "http://llm.example/v1#***",
         "http://***@llm.example/v1?***",
+        "http://[fd00::1]:8000/v1?***",
+        "http://***@[fd00::1]/v1#***",
     }
     assert all("SECRET3" not in str(e) for e in entries)
 
