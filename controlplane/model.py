@@ -212,7 +212,12 @@ def check_jwks_url(url: str, owner: str) -> None:
             f"{owner}: JWKS URL is {len(url)} characters long, over {MAX_JWKS_URL_CHARS}",
             field="jwks_url",
         )
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket: "Invalid IPv6 URL"
+        raise InvalidArgument(
+            f"{owner}: JWKS URL {shown!r} is invalid: {exc}", field="jwks_url"
+        ) from None
     try:
         _ = parts.port
     except ValueError:
@@ -255,11 +260,15 @@ def check_url(url: str) -> str:
             f"base URL {redact_url(url)!r} must not carry credentials (user:password@): name the "
             "origin's credential with credential_env or credential_file"
         )
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    expected = "expected http(s)://host[:port]/path"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket (trial 78: an INTERNAL error)
         raise InvalidArgument(
-            f"base URL {redact_url(url)!r} is invalid: expected http(s)://host[:port]/path"
-        )
+            f"base URL {redact_url(url)!r} is invalid: {exc}; {expected}"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgument(f"base URL {redact_url(url)!r} is invalid: {expected}")
     try:
         _ = parts.port
     except ValueError as exc:

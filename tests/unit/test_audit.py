@@ -772,6 +772,27 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
     assert all("SECRET3" not in str(e) for e in entries)
 
 
+async def test_an_unclosed_ipv6_bracket_is_refused_as_invalid_not_an_internal_error(
+    store: MemoryStore, clock: Clock
+) -> None:
+    """Trial 78: urlsplit's ValueError ("Invalid IPv6 URL") went up as
+    INTERNAL, with a traceback in the control plane's log."""
+    async with admin_server(store, clock) as stub:
+        await stub.PutRegion(apb.PutRegionRequest(region=apb.RegionSpec(name="eu")))
+        spec = apb.OriginSpec(name="o", base_url="http://[fd00::1/v1", region="eu", models=["m"])
+        refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
+        assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        assert (await refused.details()) == (
+            "base URL 'http://[fd00::1/v1' is invalid: Invalid IPv6 URL; "
+            "expected http(s)://host[:port]/path"
+        )
+        tenant = pb.Tenant(name="acme")
+        tenant.jwt.issuer, tenant.jwt.jwks_url = "https://idp.example", "https://[fd00::1/jwks"
+        refused = stub.PutTenant(apb.PutTenantRequest(tenant=tenant))
+        assert await code_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+        assert "JWKS URL 'https://[fd00::1/jwks' is invalid" in await refused.details()
+
+
 async def test_the_table_says_which_limit_a_limit_set_changed(
     store: MemoryStore, clock: Clock, capsys: pytest.CaptureFixture[str]
 ) -> None:
