@@ -24,6 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controlplane.api.guard import peer_text
 from controlplane.apply import change_text
 from controlplane.audit import MAX_DETAIL_KEYS, AuditLog
 from controlplane.errors import ControlPlaneError, OutcomeUnknown
@@ -138,7 +139,7 @@ def audited(
                         action=action(request) if action else fn.__name__,
                         target=target,
                         detail=detail,
-                        source=context.peer(),
+                        source=peer_text(context.peer()),
                         result=result,
                         message=message,
                     )

@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -66,13 +67,21 @@ REFUSAL_LOG_EVERY_S = 60.0
 MAX_TRACKED_CALLERS = 1024
 
 
+def peer_text(peer: str) -> str:
+    """grpc's `context.peer()` as log lines and the audit trail's source show
+    it: grpc escapes an IPv6 address's brackets ("ipv6:%5B::1%5D:41234"),
+    which read "ipv6:[::1]:41234" here, as they do in the addresses given to
+    every command line (trial 78)."""
+    return urllib.parse.unquote(peer)
+
+
 def peer_host(peer: str) -> str:
     """The address part of grpc's `context.peer()` ("ipv4:10.0.0.5:41234" ->
-    "10.0.0.5", "ipv6:[::1]:41234" -> "[::1]"); other forms are returned whole.
+    "10.0.0.5", "ipv6:%5B::1%5D:41234" -> "[::1]"); other forms are returned whole.
 
     A proxy that reconnects comes from a new port: its refusals are one caller's.
     """
-    kind, sep, rest = peer.partition(":")
+    kind, sep, rest = peer_text(peer).partition(":")
     if not sep or kind not in ("ipv4", "ipv6"):
         return peer
     host, colon, _port = rest.rpartition(":")
@@ -95,7 +104,7 @@ MAX_LOGGED_NAME = 64
 def caller(peer: str, name: str) -> str:
     """Who made a call, for a log line: its peer address, and the proxy name
     it gave if any (its first MAX_LOGGED_NAME characters)."""
-    where = peer or "an unknown peer"
+    where = peer_text(peer) or "an unknown peer"
     if len(name) > MAX_LOGGED_NAME:
         name = name[:MAX_LOGGED_NAME] + "..."
     return f"{where} (proxy {name!r})" if name else where

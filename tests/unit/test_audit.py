@@ -656,6 +656,25 @@ async def test_what_a_call_noted_outlives_the_cut_of_a_large_entry(log: AuditLog
     assert entry.detail["k01"] == "noted"
 
 
+async def test_the_source_of_an_ipv6_caller_reads_with_brackets(log: AuditLog) -> None:
+    """Trial 78: `get audit` showed grpc's escaped peer, ipv6:%5B::1%5D:47424."""
+
+    class V6Context(_Context):
+        def peer(self) -> str:
+            return "ipv6:%5B2001:db8::7%5D:47424"
+
+    class Servicer:
+        audit, token_required = log, False
+
+        @auditing.audited(lambda req, _: ("tenant/t", {}))
+        async def Put(self, request: object, context: object) -> str:
+            return "done"
+
+    await Servicer().Put(object(), V6Context())
+    (entry,) = await log.read()
+    assert entry.source == "ipv6:[2001:db8::7]:47424"
+
+
 async def test_list_audit_filters_and_its_own_refusals(store: MemoryStore, clock: Clock) -> None:
     async with admin_server(store, clock) as stub:
         for name in ("a", "b"):

@@ -774,7 +774,7 @@ def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     [
         ("ipv4:10.0.0.5:41234", "10.0.0.5"),
         ("ipv6:[::1]:41234", "[::1]"),
-        ("ipv6:%5B::1%5D:41234", "%5B::1%5D"),
+        ("ipv6:%5B::1%5D:41234", "[::1]"),  # as grpc writes it
         ("unix:/run/ponto.sock", "unix:/run/ponto.sock"),
         ("", ""),
     ],
@@ -815,6 +815,19 @@ def test_a_caller_refused_on_every_retry_is_logged_once_a_minute(
         "(proxies must present the bootstrap token)",
         f"refused {method} from ipv4:10.0.0.5:4009 (proxy 'p2'): UNAUTHENTICATED "
         "(proxies must present the bootstrap token) (3 more not logged)",
+    ]
+
+
+def test_an_ipv6_callers_refusal_names_it_with_brackets(caplog: pytest.LogCaptureFixture) -> None:
+    # Trial 78: grpc's escaped "ipv6:%5B2001:db8::5%5D:4000" reached the line.
+    method = "/ponto.v1.Routing/Register"
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        RefusalLog(Clock()).refused(
+            method, UNAUTHENTICATED, "ipv6:%5B2001:db8::5%5D:4000", register("p1")
+        )
+    assert refusal_lines(caplog) == [
+        f"refused {method} from ipv6:[2001:db8::5]:4000 (proxy 'p1'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)",
     ]
 
 
