@@ -288,7 +288,7 @@ def parse(argv: list[str]) -> Settings:
         type=int,
         default=0,
         metavar="N",
-        help="client connections from one address, per process (default 0: a quarter "
+        help="client connections from one address (an IPv6 /64), per process (default 0: a quarter "
         "of --max-connections; behind a load balancer, set it to --max-connections)",
     )
     p.add_argument(

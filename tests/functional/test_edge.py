@@ -804,6 +804,52 @@ async def test_one_address_cannot_hold_every_connection(start_edge: Start) -> No
         w.close()
 
 
+class PeerTransport(asyncio.Transport):
+    """A connection from `peer` (no socket: the test has one IPv6 address,
+    ::1), keeping what the proxy writes to it."""
+
+    def __init__(self, peer: str) -> None:
+        super().__init__()
+        self.peer = peer
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return (self.peer, 4711, 0, 0) if name == "peername" else default
+
+    def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+async def test_an_ipv6_client_is_its_64_under_the_per_client_cap(start_edge: Start) -> None:
+    # Trial 78: 40 connections from 40 addresses of one /64 all passed a cap
+    # of 4 per client; an IPv6 host may send from any address of its /64.
+    edge = await start_edge("--max-connections=10", "--max-connections-per-client=2")
+    server = edge.runner.server
+    assert server is not None
+    opened = []
+    try:
+        for peer in ("2001:db8:7::1", "2001:db8:7::2", "2001:db8:7::3", "2001:db8:8::1"):
+            transport = PeerTransport(peer)
+            protocol = server()
+            protocol.connection_made(transport)
+            opened.append((protocol, transport))
+        # Idle, so the /64's third connection makes room at its cap by
+        # closing the /64's oldest (as one IPv4 address's third would).
+        assert [t.peer for _, t in opened if t.closed] == ["2001:db8:7::1"]
+        caps = edge.runner.caps
+        assert caps is not None and caps.open == 3
+    finally:
+        for protocol, _ in opened:
+            protocol.connection_lost(None)
+
+
 async def test_slow_loris_connections_do_not_starve_a_normal_client(start_edge: Start) -> None:
     edge = await start_edge("--max-connections=64", "--header-timeout=5")
     loris: list[socket.socket] = []

@@ -28,6 +28,7 @@ from dataplane.http.edge import (
     EdgeRunner,
     HeadTooLarge,
     _has_prepare_hooks,
+    client_of,
     default_max_connections,
     descriptors_short,
     parser_error,
@@ -187,6 +188,23 @@ def test_the_per_address_cap_evicts_only_that_address() -> None:
     caps.busy(mine[1], "1.1.1.1")  # type: ignore[arg-type]
     assert connect(caps, "1.1.1.1", waiting=False) is None
     assert connect(caps, "2.2.2.2", waiting=False) is not None
+
+
+@pytest.mark.parametrize(
+    ("peer", "client"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        ("::ffff:10.1.2.3", "10.1.2.3"),  # an IPv4 client of a dual-stack "::" socket
+        ("2001:db8:1:2:aaaa:bbbb:cccc:dddd", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("::1", "::/64"),
+        ("unix", "unix"),
+    ],
+)
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64(peer: str, client: str) -> None:
+    assert client_of(peer) == client
 
 
 def test_the_default_cap_leaves_headroom_under_the_descriptor_limit() -> None:
