@@ -244,6 +244,8 @@ class MmdbLocator:
         # An IPv4-only file rejects IPv6 lookups with ValueError; ip-location-db
         # ships such files (one per family), so answer "unknown" instead.
         self._ipv4_only = metadata.ip_version == 4
+        self.ipv4_only: bool = self._ipv4_only
+        """Whether the file holds IPv4 addresses only (every IPv6 client unknown)."""
         self._raw: maxminddb.Reader | None = None
         self._geoip2: geoip2.database.Reader | None = None
         if self.schema is Schema.CITY and "City" in self.database_type:

@@ -253,6 +253,18 @@ class Proxy:
             # reload, once per worker); the link warns if no control plane answers.
             log.info("serving the saved route table until the control plane answers")
         self.locator.locator = open_locator(settings.geoip_db)
+        locator, slot = self.locator.locator, settings.worker
+        if locator is not None and locator.ipv4_only and (slot is None or slot.index == 0):
+            # Trial 78: on an IPv6 or dual-stack network such a file homed
+            # every IPv6 client in this proxy's region without a word. Once
+            # for a group: its workers read the same file.
+            log.warning(
+                "--geoip-db %s holds IPv4 addresses only: IPv6 clients are not located and "
+                "are served from this proxy's region (%s) first; give a database that holds "
+                "IPv6 addresses too (MaxMind's GeoLite2 City and DB-IP's City Lite do)",
+                settings.geoip_db,
+                settings.region,
+            )
         if self.access_log is not None:
             self.access_log.start()
         if self.region_link is not None:

@@ -9,13 +9,17 @@ from Sydney), not us-east (15,681 km).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from dataplane.http.state import HOLDER
 from ponto.geodb import write_city_db
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
+from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_pipeline import KEY, MODEL, chat, start_stack
 
 REGIONS = {
@@ -56,3 +60,27 @@ async def test_a_drained_home_fails_over_to_the_clients_nearest_region(tmp_path:
         await resp.read()
     finally:
         await s.close()
+
+
+async def test_an_ipv4_only_database_is_warned_of_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 78: with one (ip-location-db ships a file per family), every
+    IPv6 client was served from the proxy's own region without a word."""
+    v4 = write_city_db(tmp_path / "v4.mmdb", SYDNEY, ip_version=4)
+    both = write_city_db(tmp_path / "both.mmdb", SYDNEY)
+    for db, warned in ((v4, True), (both, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "dataplane.http.server"):
+            served = await serve_on_edge(tmp_path, "http://127.0.0.1:9/v1", f"--geoip-db={db}")
+            await served.runner.cleanup()
+        lines = [r.getMessage() for r in caplog.records if "IPv4 addresses only" in r.getMessage()]
+        assert lines == (
+            [
+                f"--geoip-db {db} holds IPv4 addresses only: IPv6 clients are not located and "
+                "are served from this proxy's region (r1) first; give a database that holds "
+                "IPv6 addresses too (MaxMind's GeoLite2 City and DB-IP's City Lite do)"
+            ]
+            if warned
+            else []
+        )
