@@ -26,7 +26,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Network, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol, Self
@@ -43,6 +43,7 @@ __all__ = [
     "MmdbLocator",
     "Schema",
     "database_problem",
+    "embedded_ipv4",
     "is_locatable",
     "open_locator",
 ]
@@ -92,14 +93,32 @@ _V4_NOT_PUBLIC = NetworkSet(
 )
 
 
+# RFC 6052's well-known prefix: an IPv4 client reaching an IPv6-only network
+# through a NAT46/SIIT gateway (RFC 7755, SIIT-DC) arrives as 64:ff9b::a.b.c.d.
+# Databases place the IPv4 address, not the prefix (MaxMind's alias
+# ::ffff:0:0/96, 6to4 and Teredo to their IPv4 tree, not this one).
+_NAT64 = IPv6Network("64:ff9b::/96")
+
+
+def embedded_ipv4(ip: IPv6Address) -> IPv4Address | None:
+    """The IPv4 address an IPv6 one stands for: IPv4-mapped (``::ffff:a.b.c.d``,
+    a dual-stack socket's IPv4 peer) or translated (``64:ff9b::a.b.c.d``);
+    None for any other."""
+    mapped = ip.ipv4_mapped
+    if mapped is None and ip in _NAT64:
+        mapped = IPv4Address(int(ip) & 0xFFFFFFFF)
+    return mapped
+
+
 def is_locatable(ip: IPAddress) -> bool:
     """Whether `ip` could be a public internet client worth a database lookup.
 
     False for private, shared (CGNAT), loopback, link-local, multicast,
     reserved and unspecified addresses. For IPv6 only global unicast space
     (2000::/3) qualifies: everything else (``::1``, ``fe80::/10``, ``fc00::/7``,
-    ``ff00::/8``, the reserved blocks) lies outside it. IPv4-mapped addresses
-    should be unmapped first; `MmdbLocator.locate` does that.
+    ``ff00::/8``, the reserved blocks) lies outside it. IPv4-mapped and
+    translated addresses should be unmapped first (`embedded_ipv4`);
+    `MmdbLocator.locate` does that.
     """
     if isinstance(ip, IPv4Address):
         return ip not in _V4_NOT_PUBLIC
@@ -268,10 +287,11 @@ class MmdbLocator:
     def locate(self, ip: IPAddress) -> Location | None:
         """The location of `ip`, or None if it is not public or not in the database.
 
-        IPv4-mapped IPv6 addresses are looked up as the IPv4 address they carry.
+        IPv4-mapped IPv6 addresses, and those of RFC 6052's NAT64 prefix
+        (64:ff9b::/96), are looked up as the IPv4 address they carry.
         """
         if isinstance(ip, IPv6Address):
-            mapped = ip.ipv4_mapped
+            mapped = embedded_ipv4(ip)
             if mapped is not None:
                 ip = mapped
             elif self._ipv4_only:

@@ -48,6 +48,9 @@ EXPECTED = [
     ("2001:db8:ffff:ffff::42", FRANKFURT),
     # IPv4-mapped IPv6 is looked up as IPv4 (a dual-stack socket reports these).
     ("::ffff:192.0.2.9", ASHBURN),
+    # So is one of NAT64's well-known prefix (trial 78: an IPv4 client through
+    # a NAT46 gateway into an IPv6-only cluster was homed in the proxy's region).
+    ("64:ff9b::192.0.2.9", ASHBURN),
 ]
 
 NOT_PUBLIC = [
@@ -68,6 +71,7 @@ NOT_PUBLIC = [
     "fd12:3456::1",
     "ff02::1",
     "::ffff:10.1.2.3",
+    "64:ff9b::10.1.2.3",
 ]
 
 UNKNOWN_PUBLIC = ["8.8.8.8", "1.1.1.1", "192.0.3.1", "2606:4700:4700::1111", "2001:db9::1"]
@@ -154,8 +158,8 @@ def test_private_ranges_are_refused_even_when_the_database_has_them(
 
 @pytest.mark.parametrize(
     ("ip", "public"),
-    [(ip, False) for ip in NOT_PUBLIC if not ip.startswith("::ffff:")]
-    + [(ip, True) for ip, _ in EXPECTED if not ip.startswith("::ffff:")]
+    [(ip, False) for ip in NOT_PUBLIC if not ip.startswith(("::ffff:", "64:ff9b::"))]
+    + [(ip, True) for ip, _ in EXPECTED if not ip.startswith(("::ffff:", "64:ff9b::"))]
     + [(ip, True) for ip in UNKNOWN_PUBLIC],
 )
 def test_is_locatable(ip: str, public: bool) -> None:
