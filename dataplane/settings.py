@@ -216,7 +216,12 @@ def parse(argv: list[str]) -> Settings:
         help="unique proxy name: 1 to 63 lower-case letters, digits and '-' (default: "
         "the host's name, made one; with --workers N, each worker's is NAME-wI)",
     )
-    p.add_argument("--advertise", default="", help="address clients use (default: --listen)")
+    p.add_argument(
+        "--advertise",
+        default="",
+        help="address clients use, HOST:PORT or a URL such as http://NAME.NS.svc:8080 "
+        "(default: --listen)",
+    )
     p.add_argument(
         "--state-dir",
         type=path,
