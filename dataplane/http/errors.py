@@ -187,11 +187,21 @@ def model_not_found(name: str, refused_by: str = "") -> ApiError:
     return error
 
 
-def endpoint_not_served(model: str, path: str) -> ApiError:
+def endpoint_not_served(model: str, path: str, said: str = "") -> ApiError:
     """400 for a request every origin tried answered 501 Not Implemented: its
     model is not served at that endpoint (a chat model asked for embeddings:
-    llama.cpp without --embeddings, Ollama). The client's to fix, and no
-    retry changes it: a 5xx would be retried by the SDKs in vain."""
+    llama.cpp without --embeddings, Ollama), or a feature it asks is not
+    (vLLM's NotImplementedError). The client's to fix, and no retry changes
+    it: a 5xx would be retried by the SDKs in vain. `said`: the last 501's
+    message, which says which (as a 4xx's is passed on), in place of a guess."""
+    if said:
+        return ApiError(
+            400,
+            f"The model '{model[:256]}' does not serve this request at /v1{path}: its servers "
+            f"answered 501 Not Implemented: {said}",
+            param="model",
+            code="model_not_supported",
+        )
     return ApiError(
         400,
         f"The model '{model[:256]}' does not serve /v1{path}: its servers answered 501 Not "

@@ -37,6 +37,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from dataplane import jsonio
 from dataplane.http.errors import (
     CREDENTIAL_REFUSED,
+    MAX_ORIGIN_ERROR_BYTES,
     UPSTREAM_FAILED,
     UPSTREAM_GATEWAY_REFUSED,
     UPSTREAM_SLOW,
@@ -393,8 +394,10 @@ class _Tries:
     model: str = ""
     # Attempts whose origin answered that it lacks the model (MODEL_MISSING).
     model_missing: int = 0
-    # Attempts whose origin answered 501 (NOT_SERVED).
+    # Attempts whose origin answered 501 (NOT_SERVED), and what the last of
+    # them said (its error's message; "" when it gave none).
     not_served: int = 0
+    not_served_said: str = ""
     # The body's `max_tokens` is the proxy's (the tenant's ceiling or default),
     # not the client's: sent in each origin's own field (Target.max_tokens_field).
     max_tokens_added: bool = False
@@ -721,7 +724,7 @@ class Forwarder:
             # Every origin tried lacks it: the client's answer is OpenAI's.
             error = model_not_found(model or "requested")
         elif tries.not_served and tries.not_served == tries.failed:
-            error = endpoint_not_served(model or "requested", path)
+            error = endpoint_not_served(model or "requested", path, tries.not_served_said)
         elif tries.shown is not None:
             error = upstream_error_answer(tries.shown)
         else:
@@ -1054,6 +1057,8 @@ class Forwarder:
             return
         if exc.outcome == NOT_SERVED:
             tries.not_served += 1
+            if exc.shown is not None:
+                tries.not_served_said = exc.shown["message"] or ""
             # Trial 79: as a 5xx, a client asking a chat model for embeddings
             # (llama.cpp, Ollama: 501) ejected every origin of the model, and
             # was told to retry. The origin serves its other requests well.
@@ -1062,9 +1067,10 @@ class Forwarder:
                 logging.WARNING,
                 "origin %s answered 501 Not Implemented for model %s (it does not serve that "
                 "endpoint for it: llama.cpp without --embeddings, or a chat model asked for "
-                "embeddings?); failed over, not against its health",
+                "embeddings?); failed over, not against its health: %s",
                 target.name,
                 tries.model or "?",
+                exc,
             )
             return
         if exc.outcome == ERROR_ANSWER:
@@ -1308,12 +1314,7 @@ class Forwarder:
                     raise
                 try:
                     if resp.status == NOT_IMPLEMENTED and method is None:
-                        raise _Retryable(
-                            NOT_SERVED,
-                            "answered 501: it does not serve this endpoint for the model",
-                            resp.status,
-                            worked=False,
-                        )
+                        raise await _not_implemented(resp)
                     if resp.status >= RETRY_STATUS_MIN or resp.status == BACKEND_FAILED:
                         raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
                     if resp.status == BUSY:
@@ -1884,6 +1885,28 @@ def _holds_answer(parsed: dict[str, Any]) -> bool:
     if "output" in parsed or parsed.get("object") == "response":
         return True
     return any(isinstance(parsed.get(k), list) and parsed[k] for k in ("choices", "data"))
+
+
+async def _not_implemented(resp: OriginResponse) -> _Retryable:
+    """The failed attempt of a 501 Not Implemented. An OpenAI-style error
+    (errors.origin_error_of) is an inference server's word that it does not
+    serve the request for its model: NOT_SERVED, not against its health,
+    with its message, which says what (llama.cpp: "This server does not
+    support embeddings. Start it with `--embeddings`"; vLLM: any
+    NotImplementedError a request's feature raises, of a model that serves
+    the endpoint). Any other body (an HTML page: a plain web server that
+    implements no POST, at a wrong base URL) is no such word: a 5xx like any
+    other, against the origin's health."""
+    try:
+        body = await resp.read(MAX_ORIGIN_ERROR_BYTES)
+    except (TimeoutError, aiohttp.ClientError, AnswerTooLarge):
+        body = b""
+    parsed = jsonio.loads_or_none(body)
+    shown = origin_error_of(parsed) if isinstance(parsed, dict) else None
+    if shown is None:
+        return _Retryable("http_5xx", "answered 501 with no OpenAI-style error", NOT_IMPLEMENTED)
+    said = f"answered 501: {(shown['message'] or '')[:200]}"
+    return _Retryable(NOT_SERVED, said, NOT_IMPLEMENTED, worked=False, shown=shown)
 
 
 def _error_answer(parsed: dict[str, Any], status: int) -> _Retryable:

@@ -688,9 +688,10 @@ async def test_an_origin_501_is_failed_over_not_against_its_health_and_a_400_whe
                 assert resp.status == 400
                 error = error_of(await resp.json())
                 assert (error["code"], error["param"]) == ("model_not_supported", "model")
-                assert error["message"].startswith(
-                    f"The model '{MODEL}' does not serve /v1/embeddings: its servers answered "
-                    "501 Not Implemented"
+                assert error["message"] == (
+                    f"The model '{MODEL}' does not serve this request at /v1/embeddings: its "
+                    "servers answered 501 Not Implemented: This server does not support "
+                    "embeddings. Start it with `--embeddings`"
                 )
         assert (ejections("bad"), ejections("worse")) == (0, 0)
         told = [r.getMessage() for r in caplog.records if "501 Not Implemented" in r.getMessage()]
@@ -698,6 +699,69 @@ async def test_an_origin_501_is_failed_over_not_against_its_health_and_a_400_whe
         assert all(f"for model {MODEL}" in line for line in told)
         # Each refusal is the client's, told once (its refusal's line), not as origins failing.
         assert not [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+    finally:
+        await s.close()
+
+
+async def test_an_origin_501_for_a_feature_tells_the_client_what_it_said(
+    tmp_path: Path,
+) -> None:
+    """vLLM answers any NotImplementedError a request's feature raises as a
+    501 of its chat endpoint, whose model it does serve: the client is told
+    what the origin said, not a guess that a chat model was asked for
+    embeddings."""
+    said = "Tool type 'web_search' is not supported"
+    body = json.dumps(
+        {"error": {"message": said, "type": "NotImplementedError", "param": None, "code": 501}}
+    ).encode()
+    s = await start_stack(tmp_path, [])
+    try:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answering(501, body, "application/json"))
+        server = TestServer(app)
+        s.others.append(server)
+        await server.start_server()
+        serve(s, [("vllm", str(server.make_url("/v1")))])
+        resp = await s.client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            headers=AUTH,
+        )
+        assert resp.status == 400
+        error = error_of(await resp.json())
+        assert error["code"] == "model_not_supported"
+        assert error["message"].endswith(f"501 Not Implemented: {said}")
+        assert "embeddings" not in error["message"]
+    finally:
+        await s.close()
+
+
+async def test_an_origin_501_that_is_no_openai_error_is_its_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 501 page (a plain web server, which implements no POST, at a wrong
+    base URL) is no inference server's word on the model: against the
+    origin's health, as any 5xx, and a 502 when none is left, not a 400
+    blaming the client's request."""
+    page = b"<html><body><h1>Error response</h1><p>Error code: 501</p></body></html>"
+    s = await start_stack(tmp_path, [])
+    registry = s.app[METRICS].registry
+    try:
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", answering(501, page, "text/html"))
+        server = TestServer(app)
+        s.others.append(server)
+        await server.start_server()
+        serve(s, [("static", str(server.make_url("/v1")))])
+        body = {"model": MODEL, "input": "a"}
+        with caplog.at_level(logging.WARNING):
+            resp = await s.client.post("/v1/embeddings", json=body, headers=AUTH)
+        assert resp.status == 502
+        error = error_of(await resp.json())
+        assert error["code"] != "model_not_supported"
+        outcome = {"origin": "static", "outcome": "http_5xx"}
+        assert registry.get_sample_value("ponto_upstream_attempts_total", outcome) == 1
+        assert not [r for r in caplog.records if "501 Not Implemented" in r.getMessage()]
     finally:
         await s.close()
 
