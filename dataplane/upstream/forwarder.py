@@ -398,6 +398,11 @@ class _Tries:
     # them said (its error's message; "" when it gave none).
     not_served: int = 0
     not_served_said: str = ""
+    # The origins that answered 424 (BACKEND_FAILED), each with what it said:
+    # against their health only once another origin has answered the request
+    # (forward), as a 424 may be the request's own doing.
+    # (A tuple: no list made for each request.)
+    backend_failed: tuple[tuple[str, str], ...] = ()
     # The body's `max_tokens` is the proxy's (the tenant's ceiling or default),
     # not the client's: sent in each origin's own field (Target.max_tokens_field).
     max_tokens_added: bool = False
@@ -688,6 +693,10 @@ class Forwarder:
                 sent.calls, sent.target = tries.made, ordered[tries.made - 1]
             raise
         failures = tries.failures
+        if answer is not None and answer.status < 400:
+            # Another origin answered: those 424s were their backends' failures.
+            for name, why in tries.backend_failed:
+                self._failure(name, why)
         if answer is not None:
             answer.calls = tries.made
             answer.others_worked = tries.worked
@@ -1089,6 +1098,14 @@ class Forwarder:
                 return
         elif exc.outcome == "http_5xx":
             tries.errored += 1
+            if exc.status == BACKEND_FAILED:
+                # TGI's 424 is any exception of its model shard, a dead shard's
+                # or one a request's feature raises (a JSON schema outlines
+                # cannot build): counted at once, one such request, failed
+                # over to each origin and retried by the SDK, would eject them
+                # all.
+                tries.backend_failed += ((target.name, str(exc)),)
+                return
         elif exc.outcome in ("timeout", "http_408"):
             tries.timed_out += 1
         elif exc.outcome in ("credential_refused", "account_refused"):

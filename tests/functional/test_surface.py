@@ -637,6 +637,76 @@ async def test_an_origin_408_402_or_424_is_failed_over_and_a_502_when_none_is_le
         await s.close()
 
 
+# TGI's 424 for an exception of its model shard: here one a request raises (a
+# JSON schema its grammar library cannot build), which every replica raises.
+GENERATION_FAILED = (
+    b'{"error": "Request failed during generation: Server error: Format email is not '
+    b'supported by Outlines", "error_type": "generation"}'
+)
+
+
+async def test_a_424_every_origin_answers_one_request_ejects_none(tmp_path: Path) -> None:
+    """A 424 is any failure of TGI's shard, a request's own among them: one
+    such request, failed over to every origin and retried twice by the SDK
+    (its 502 says to), ejected all three. Another origin's answer to the
+    request is what makes a 424 the origin's own (the next test)."""
+    s = await start_stack(tmp_path, [])
+    registry = s.app[METRICS].registry
+    names = ["t1", "t2", "t3"]
+    try:
+        serve(
+            s,
+            [
+                (n, await origin_answering(s, 424, GENERATION_FAILED, "application/json"))
+                for n in names
+            ],
+        )
+        for _ in range(3):
+            resp = await s.post(chat("the same request"))
+            assert resp.status == 502
+        attempts = [
+            registry.get_sample_value(
+                "ponto_upstream_attempts_total", {"origin": n, "outcome": "http_5xx"}
+            )
+            for n in names
+        ]
+        assert attempts == [3, 3, 3]
+        ejected = [
+            registry.get_sample_value("ponto_origin_ejections_total", {"origin": n}) or 0
+            for n in names
+        ]
+        assert ejected == [0, 0, 0]
+    finally:
+        await s.close()
+
+
+async def test_a_424_of_a_request_another_origin_answers_counts_against_its_origin(
+    tmp_path: Path,
+) -> None:
+    """A replica whose shard died answers every request 424 (trial 79): each
+    answered by another origin counts against it, and it is ejected."""
+    s = await start_stack(tmp_path, [SimConfig(name="good", answer_tokens=3)])
+    registry = s.app[METRICS].registry
+
+    def tried() -> float:
+        labels = {"origin": "dead", "outcome": "http_5xx"}
+        return registry.get_sample_value("ponto_upstream_attempts_total", labels) or 0
+
+    try:
+        dead = await origin_answering(s, 424, GENERATION_FAILED, "application/json")
+        serve(s, [("dead", dead), ("good", str(s.origins[0].make_url("/v1")))])
+        for i in range(100):  # the weighted order puts "dead" first about half the time
+            resp = await s.post(chat(f"request {i}"))
+            assert resp.status == 200
+            if tried() == 3:
+                break
+        assert tried() == 3
+        ejections = registry.get_sample_value("ponto_origin_ejections_total", {"origin": "dead"})
+        assert ejections == 1
+    finally:
+        await s.close()
+
+
 # What llama.cpp's server answers for embeddings of a model it was not started
 # to embed with (Ollama's runner says the same).
 NOT_IMPLEMENTED = (
