@@ -299,6 +299,12 @@ MODEL_NOT_FOUND_CODE: Final = "model_not_found"
 # operator's account with the origin (401, 403: its credential; a 429, which
 # is failed over, names its organisation): a fixed message instead.
 PASSED_ORIGIN_STATUSES = frozenset({400, 404, 409, 413, 415, 422})
+# The messages passed on also include a 424's, which reaches a client only as
+# the second origin's to one request (dataplane.upstream.forwarder): the
+# model backend's failure on that request (TGI: a JSON schema its grammar
+# library cannot build), whose reason the client can act on. (Not a status
+# whose embedded error is the request's: error_blame.)
+PASSED_MESSAGE_STATUSES = PASSED_ORIGIN_STATUSES | {424}
 # An origin that refuses the proxy's own credential: the client's request
 # was fine, so the next origin is tried (dataplane.upstream.forwarder), and
 # with none left the client gets a 502, not the origin's 401.
@@ -655,7 +661,7 @@ def origin_error(
 ) -> OriginError:
     """What a client gets of an origin's error answer, and what the log does.
 
-    With a status in PASSED_ORIGIN_STATUSES, an OpenAI-style JSON error
+    With a status in PASSED_MESSAGE_STATUSES, an OpenAI-style JSON error
     (`{"error": {"message": ...}}`, vLLM's flat `{"object": "error",
     "message": ...}`, TGI's `{"error": "...", "error_type": ...}`, or TEI's
     `{"message": ..., "code": STATUS, "type": ...}`) is
@@ -671,7 +677,7 @@ def origin_error(
     """
     fields = _origin_error_fields(content_type, body)
     err = None
-    if fields is not None and status in PASSED_ORIGIN_STATUSES:
+    if fields is not None and status in PASSED_MESSAGE_STATUSES:
         err = _rebuilt(fields)
     if err is not None and reindex is not None:
         err = {k: reindex(v) if k in ("message", "param") and v else v for k, v in err.items()}

@@ -1332,7 +1332,15 @@ class Forwarder:
                 try:
                     if resp.status == NOT_IMPLEMENTED and method is None:
                         raise await _not_implemented(resp)
-                    if resp.status >= RETRY_STATUS_MIN or resp.status == BACKEND_FAILED:
+                    if resp.status >= RETRY_STATUS_MIN or (
+                        # A second origin's 424 to one request is its answer:
+                        # a request a shard cannot take (a JSON schema its
+                        # grammar library cannot build) fails each batch it
+                        # joins, so it is not sent to a third, and the client
+                        # gets the origin's reason, which it does not retry.
+                        resp.status == BACKEND_FAILED
+                        and (tries is None or not tries.backend_failed)
+                    ):
                         raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
                     if resp.status == BUSY:
                         raise _Retryable(
