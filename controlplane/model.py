@@ -173,10 +173,12 @@ def redact_url(url: str) -> str:
 # to a space, a quote, a backslash (a JSON escape) or a bracket, but for the
 # brackets of an IPv6 host (http://u:p@[fd00::1]:8000/v1?token=...), whose
 # opening one had ended the URL before its query (trial 78: a refused IPv6
-# origin's ?api_key= was kept whole in the audit trail).
+# origin's ?api_key= was kept whole in the audit trail). The closing one is
+# optional: a URL refused for leaving it out (http://[fd00::1/v1?token=...)
+# is recorded too.
 _URL_IN_TEXT = re.compile(
     r"[A-Za-z][A-Za-z0-9+.-]*://"
-    r"(?:[^\s\"'\\<>{}\[\]/?#]*\[[^\s\"'\\<>{}\[\]]*\])?"
+    r"(?:[^\s\"'\\<>{}\[\]/?#]*\[[^\s\"'\\<>{}\[\]]*\]?)?"
     r"[^\s\"'\\<>{}\[\]]*"
 )
 

@@ -775,6 +775,8 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
             # Trial 78: an IPv6 host's bracket ended the URL the trail redacts.
             "http://[fd00::1]:8000/v1?token=pw-SECRET3",
             "http://u:p@[fd00::1]/v1#pw-SECRET3",
+            # Review 323: an unclosed one (refused as invalid) kept its query.
+            "http://[fd00::1/v1?token=pw-SECRET3",
         ):
             spec = apb.OriginSpec(name="o", base_url=url, region="eu", models=["m"])
             refused = stub.PutOrigin(apb.PutOriginRequest(origin=spec))
@@ -787,6 +789,7 @@ async def test_an_origin_url_with_a_query_or_fragment_is_refused_and_not_recorde
         "http://***@llm.example/v1?***",
         "http://[fd00::1]:8000/v1?***",
         "http://***@[fd00::1]/v1#***",
+        "http://[fd00::1/v1?***",
     }
     assert all("SECRET3" not in str(e) for e in entries)
 
