@@ -201,6 +201,15 @@ def test_the_per_address_cap_evicts_only_that_address() -> None:
         ("fe80::1%eth0", "fe80::/64"),
         ("::1", "::/64"),
         ("unix", "unix"),
+        # Review 323: IPv4 clients through a NAT46/SIIT gateway (RFC 7755) are
+        # each an address of 64:ff9b::/96, all of one /64: one IPv4 client
+        # held the cap of every other and closed their idle connections.
+        ("64:ff9b::c000:207", "192.0.2.7"),
+        ("64:ff9b::c000:208", "192.0.2.8"),
+        # A local-use prefix (RFC 8215) may be any length from /48 to /96, so
+        # where its IPv4 address lies is not known: each address its own.
+        ("64:ff9b:1:abcd::c000:207", "64:ff9b:1:abcd::c000:207"),
+        ("64:ff9b:1:abcd::c000:208", "64:ff9b:1:abcd::c000:208"),
     ],
 )
 def test_a_client_is_its_ipv4_address_or_its_ipv6_64(peer: str, client: str) -> None:
