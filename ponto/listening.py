@@ -17,6 +17,7 @@ imports this module and nothing beyond the standard library.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from typing import TYPE_CHECKING
@@ -45,9 +46,23 @@ def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.so
     is set, as asyncio does (a restart is not refused for connections in
     TIME_WAIT), and ``SO_REUSEPORT`` when `reuse_port`. An IPv6 socket is
     IPv6 only, unless `host` is the IPv6 wildcard, which takes IPv4 too (the
-    module's docstring says why). Raises OSError when the address cannot be
-    resolved or bound.
+    module's docstring says why); where this host has no IPv6 at all (a
+    kernel booted with ipv6.disable=1, a Python built without it) the
+    wildcard is IPv4's, 0.0.0.0, as gRPC and etcd take ``[::]`` there.
+    Raises OSError when the address cannot be resolved or bound.
     """
+    if not is_ipv6_wildcard(host):
+        return _bound(host, port, reuse_port=reuse_port, v6only=True)
+    if socket.has_ipv6:
+        try:
+            return _bound(host, port, reuse_port=reuse_port, v6only=False)
+        except OSError as exc:
+            if exc.errno != errno.EAFNOSUPPORT:
+                raise
+    return _bound("0.0.0.0", port, reuse_port=reuse_port, v6only=True)
+
+
+def _bound(host: str, port: int, *, reuse_port: bool, v6only: bool) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -57,8 +72,7 @@ def bound_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.so
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
-            v6only = 0 if is_ipv6_wildcard(host) else 1
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
         sock.bind(address)
         sock.setblocking(False)
     except OSError:

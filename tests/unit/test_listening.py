@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 from collections.abc import Iterator
 
@@ -109,3 +111,43 @@ async def test_another_host_is_aiohttps_own_site() -> None:
         assert isinstance(tcp_site(runner, "127.0.0.1", 0), web.TCPSite)
     finally:
         await runner.cleanup()
+
+
+def _ipv6_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This host as a kernel booted with ipv6.disable=1 makes it: no IPv6 socket."""
+    real = socket.socket
+
+    def make(family: int = socket.AF_INET, *args: object, **kwargs: object) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+        return real(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "socket", make)
+
+
+@pytest.mark.parametrize("no_ipv6", ["kernel", "python"])
+def test_the_wildcard_is_ipv4s_where_the_host_has_no_ipv6(
+    no_ipv6: str, monkeypatch: pytest.MonkeyPatch, closing: list[socket.socket]
+) -> None:
+    # Review 323: gRPC and etcd listen on 0.0.0.0 for [::] there; the HTTP
+    # servers of the same pod refused to start (EAFNOSUPPORT).
+    if no_ipv6 == "kernel":
+        _ipv6_unsupported(monkeypatch)
+    else:
+        monkeypatch.setattr(socket, "has_ipv6", False)
+    anywhere = bound_socket("::", 0)
+    closing.append(anywhere)
+    assert anywhere.family == socket.AF_INET
+    assert anywhere.getsockname()[0] == "0.0.0.0"
+    anywhere.listen()
+    with socket.create_connection(("127.0.0.1", anywhere.getsockname()[1]), timeout=2):
+        pass
+
+
+def test_an_ipv6_address_on_a_host_without_ipv6_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _ipv6_unsupported(monkeypatch)
+    with pytest.raises(OSError) as refused:
+        bound_socket("::1", 0)
+    assert refused.value.errno == errno.EAFNOSUPPORT
