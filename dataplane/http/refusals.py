@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from dataplane.linebudget import BURST, PER_SECOND, LineBudget
 
-__all__ = ["RefusalLog", "printable", "refusals"]
+__all__ = ["RefusalLog", "printable", "refusals", "unmapped"]
 
 
 class RefusalLog:
@@ -75,7 +75,7 @@ class RefusalLog:
             "refused %s %s from %s: %s %s: %s%s%s",
             request_id,
             printable(what[:200]),
-            remote or "-",
+            unmapped(remote) if remote else "-",
             status,
             code or "-",
             printable(message[:200]),
@@ -85,6 +85,16 @@ class RefusalLog:
             else "",
         )
         return True
+
+
+def unmapped(remote: str) -> str:
+    """A peer's address as the access log names its client: an IPv4 one that
+    a dual-stack socket ("::", ponto.listening) gives as ``::ffff:a.b.c.d`` is
+    ``a.b.c.d``, so that one client's refusals and answers are found under one
+    address (review 323); any other as it is."""
+    if remote.startswith("::ffff:") and "." in remote and ":" not in remote[7:]:
+        return remote[7:]
+    return remote
 
 
 def printable(text: str) -> str:

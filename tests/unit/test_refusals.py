@@ -48,3 +48,25 @@ def test_a_huge_reason_makes_a_short_line(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="t.huge"):
         log.refused(400, None, "x" * 100_000)
     assert len(caplog.records[0].getMessage()) < 400
+
+
+@pytest.mark.parametrize(
+    ("remote", "shown"),
+    [
+        ("::ffff:203.0.113.7", "203.0.113.7"),  # an IPv4 client of a "::" socket
+        ("203.0.113.7", "203.0.113.7"),
+        ("2001:db8::7", "2001:db8::7"),
+        ("::ffff:0:203.0.113.7", "::ffff:0:203.0.113.7"),  # not IPv4-mapped
+        (None, "-"),
+    ],
+)
+def test_the_client_is_named_as_the_access_log_names_it(
+    remote: str | None, shown: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Review 323: on --listen [::] an IPv4 client's refusals read
+    # ::ffff:203.0.113.7 while its access-log lines read 203.0.113.7.
+    log = RefusalLog(logging.getLogger("t.peer"), clock=Clock())
+    with caplog.at_level(logging.INFO, logger="t.peer"):
+        log.refused(400, "invalid_json", "bad", request_id="r1", remote=remote, what="POST /x")
+    line = caplog.records[0].getMessage()
+    assert line == f"refused r1 POST /x from {shown}: 400 invalid_json: bad"
