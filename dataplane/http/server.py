@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -94,6 +95,21 @@ COUNTS_SAVE_S = 1.0
 # The share of --cache-max-mb the semantic index may hold; the exact store has the
 # rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
 SEMANTIC_SHARE = 0.5
+
+
+def may_see_ipv6_clients(settings: Settings) -> bool:
+    """Whether an IPv6 client can reach this proxy: it listens on an IPv6
+    address or a host name (which may have one), or believes forwarding
+    headers (--trusted-proxies), which name IPv6 clients whatever the hop's
+    own family. Only a proxy on an IPv4 address that trusts no hop sees
+    none, and is not warned that an IPv4-only --geoip-db cannot place them
+    (review 323: ip-location-db's -ipv4 file is the right one for it)."""
+    if settings.trusted_proxies:
+        return True
+    try:
+        return ipaddress.ip_address(settings.listen_host).version == 6
+    except ValueError:
+        return True
 
 
 class Proxy:
@@ -254,7 +270,12 @@ class Proxy:
             log.info("serving the saved route table until the control plane answers")
         self.locator.locator = open_locator(settings.geoip_db)
         locator, slot = self.locator.locator, settings.worker
-        if locator is not None and locator.ipv4_only and (slot is None or slot.index == 0):
+        if (
+            locator is not None
+            and locator.ipv4_only
+            and (slot is None or slot.index == 0)
+            and may_see_ipv6_clients(settings)
+        ):
             # Trial 78: on an IPv6 or dual-stack network such a file homed
             # every IPv6 client in this proxy's region without a word. Once
             # for a group: its workers read the same file.

@@ -69,10 +69,19 @@ async def test_an_ipv4_only_database_is_warned_of_at_start(
     IPv6 client was served from the proxy's own region without a word."""
     v4 = write_city_db(tmp_path / "v4.mmdb", SYDNEY, ip_version=4)
     both = write_city_db(tmp_path / "both.mmdb", SYDNEY)
-    for db, warned in ((v4, True), (both, False)):
+    dual_stack, forwarded, ipv4 = "--listen=[::]:8080", "--trusted-proxies=10.0.0.0/8", ""
+    for db, where, warned in (
+        (v4, dual_stack, True),
+        (v4, forwarded, True),  # a balancer in front may forward IPv6 clients
+        # Review 323: no IPv6 client can reach a proxy on an IPv4 address
+        # that trusts no hop, so it is not warned that it cannot place one.
+        (v4, ipv4, False),
+        (both, dual_stack, False),
+    ):
         caplog.clear()
+        flags = [f"--geoip-db={db}", *([where] if where else [])]
         with caplog.at_level(logging.WARNING, "dataplane.http.server"):
-            served = await serve_on_edge(tmp_path, "http://127.0.0.1:9/v1", f"--geoip-db={db}")
+            served = await serve_on_edge(tmp_path, "http://127.0.0.1:9/v1", *flags)
             await served.runner.cleanup()
         lines = [r.getMessage() for r in caplog.records if "IPv4 addresses only" in r.getMessage()]
         assert lines == (
