@@ -96,6 +96,7 @@ from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
 from ponto.grpcconn import accepted_tokens, token_among
 from ponto.logs import Throttled
+from ponto.peers import client_of
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -796,13 +797,17 @@ TOKEN_MISS_ADDRESSES = 1024
 
 
 class TokenMisses:
-    """Wrong admin tokens per client address over the last
-    TOKEN_MISS_WINDOW_S (times from the caller's clock)."""
+    """Wrong admin tokens per client over the last TOKEN_MISS_WINDOW_S (times
+    from the caller's clock). A client is a peer's address as client_of
+    reads it: an IPv6 one by its /64, from any address of which one host may
+    send (a guesser rotating through its /64 had a throttle per address and
+    pushed the others' out of TOKEN_MISS_ADDRESSES; review 323)."""
 
     def __init__(self) -> None:
         self._times: dict[str, list[float]] = {}
 
     def missed(self, address: str, now: float) -> None:
+        address = client_of(address)
         times = self._recent(address, now)
         times.append(now)
         self._times.pop(address, None)
@@ -812,7 +817,7 @@ class TokenMisses:
 
     def wait(self, address: str, now: float) -> float:
         """Seconds until `address` may send a token again (0: now)."""
-        times = self._recent(address, now)
+        times = self._recent(client_of(address), now)
         if len(times) < TOKEN_MISSES:
             return 0.0
         return max(0.0, times[-TOKEN_MISSES] + TOKEN_MISS_WINDOW_S - now)

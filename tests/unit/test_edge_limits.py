@@ -28,13 +28,13 @@ from dataplane.http.edge import (
     EdgeRunner,
     HeadTooLarge,
     _has_prepare_hooks,
-    client_of,
     default_max_connections,
     descriptors_short,
     parser_error,
 )
 from dataplane.http.errors import ApiError
 from dataplane.settings import parse
+from ponto.peers import client_of
 
 DOC = b'{"model": "m", "messages": []}'
 

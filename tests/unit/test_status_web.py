@@ -1451,6 +1451,20 @@ def test_wrong_tokens_are_counted_per_address_and_forgotten() -> None:
     assert len(misses._times) == TOKEN_MISS_ADDRESSES
 
 
+def test_wrong_tokens_from_one_ipv6_64_are_one_clients() -> None:
+    # An IPv6 host may send from any address of its /64: counted per address,
+    # it had a throttle for each it made up (review 323). Another /64 is
+    # another client; an IPv4 client on a dual-stack socket is its IPv4 address.
+    misses = TokenMisses()
+    for i in range(TOKEN_MISSES):
+        misses.missed(f"2001:db8:7::{i + 1:x}", float(i))
+    assert misses.wait("2001:db8:7::ffff", 9.0) == TOKEN_MISS_WINDOW_S - 9.0
+    assert misses.wait("2001:db8:7:1::1", 9.0) == 0.0
+    for i in range(TOKEN_MISSES):
+        misses.missed("::ffff:10.0.0.9", float(i))
+    assert misses.wait("10.0.0.9", 9.0) == TOKEN_MISS_WINDOW_S - 9.0
+
+
 async def test_a_store_outage_is_logged_once_per_interval_however_often_the_page_polls(
     plane: Plane, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
