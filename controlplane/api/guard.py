@@ -50,6 +50,7 @@ import grpc
 from ponto import roles
 from ponto.grpcconn import accepted_tokens, token_among
 from ponto.logs import Throttled
+from ponto.peers import client_of
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ class RefusalLog:
     def refused(self, method: str, refusal: Refusal, peer: str, request: Any) -> None:
         code, message = refusal
         name = proxy_name(request)
-        key = (peer_host(peer), method, code.name, message)
+        # An IPv6 caller by its /64 (client_of), from any address of which
+        # it may call: by address, one rotating through it logged a line each.
+        key = (client_of(peer_host(peer).strip("[]")), method, code.name, message)
         line = self._lines.pop(key, None) or Throttled(
             log, every_s=REFUSAL_LOG_EVERY_S, clock=self._clock
         )

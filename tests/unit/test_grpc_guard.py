@@ -820,14 +820,17 @@ def test_a_caller_refused_on_every_retry_is_logged_once_a_minute(
 
 def test_an_ipv6_callers_refusal_names_it_with_brackets(caplog: pytest.LogCaptureFixture) -> None:
     # Trial 78: grpc's escaped "ipv6:%5B2001:db8::5%5D:4000" reached the line.
+    # Review 323: a caller is throttled by its /64, from any address of which
+    # it may call (one rotating through it logged a line for each).
     method = "/ponto.v1.Routing/Register"
+    refusals = RefusalLog(Clock())
     with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
-        RefusalLog(Clock()).refused(
-            method, UNAUTHENTICATED, "ipv6:%5B2001:db8::5%5D:4000", register("p1")
-        )
+        for peer in ("2001:db8::5", "2001:db8::6", "2001:db8:0:1::5"):
+            refusals.refused(method, UNAUTHENTICATED, f"ipv6:%5B{peer}%5D:4000", register("p1"))
     assert refusal_lines(caplog) == [
-        f"refused {method} from ipv6:[2001:db8::5]:4000 (proxy 'p1'): UNAUTHENTICATED "
-        "(proxies must present the bootstrap token)",
+        f"refused {method} from ipv6:[{peer}]:4000 (proxy 'p1'): UNAUTHENTICATED "
+        "(proxies must present the bootstrap token)"
+        for peer in ("2001:db8::5", "2001:db8:0:1::5")
     ]
 
 
