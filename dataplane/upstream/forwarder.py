@@ -711,7 +711,7 @@ class Forwarder:
                 )
             return answer
         timed_out = bool(failures) and failures[-1].endswith("deadline exceeded")
-        if not (tries.not_served and tries.not_served == tries.failed):
+        if not (tries.not_served and tries.not_served + tries.model_missing == tries.failed):
             # (A request no origin serves is the client's: its refusal's line
             # tells it, and _failed told each origin's 501 once a minute.)
             self._tell(
@@ -732,7 +732,9 @@ class Forwarder:
         elif tries.model_missing and tries.model_missing == tries.failed:
             # Every origin tried lacks it: the client's answer is OpenAI's.
             error = model_not_found(model or "requested")
-        elif tries.not_served and tries.not_served == tries.failed:
+        elif tries.not_served and tries.not_served + tries.model_missing == tries.failed:
+            # Every origin tried either lacks the model or does not serve the
+            # endpoint for it: the request's, not a failure to retry (review 321).
             error = endpoint_not_served(model or "requested", path, tries.not_served_said)
         elif tries.shown is not None:
             error = upstream_error_answer(tries.shown)

@@ -774,6 +774,21 @@ async def test_an_origin_501_is_failed_over_not_against_its_health_and_a_400_whe
         assert all(f"for model {MODEL}" in line for line in told)
         # Each refusal is the client's, told once (its refusal's line), not as origins failing.
         assert not [r for r in caplog.records if "no origin could serve" in r.getMessage()]
+        # One origin without the endpoint, the other without the model: the
+        # request's too, not a 502 to retry (review 321).
+        lacking = web.Application()
+        missing = {"object": "error", "message": f"The model `{MODEL}` does not exist."}
+        lacking.router.add_post(
+            "/v1/embeddings",
+            answering(404, json.dumps({**missing, "code": 404}).encode(), "application/json"),
+        )
+        other = TestServer(lacking)
+        s.others.append(other)
+        await other.start_server()
+        serve(s, [("bad", bad), ("lacking", str(other.make_url("/v1")))])
+        resp = await embed("mixed")
+        assert resp.status == 400
+        assert error_of(await resp.json())["code"] == "model_not_supported"
     finally:
         await s.close()
 
