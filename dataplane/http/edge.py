@@ -29,8 +29,9 @@ subclassed at these points:
   read: one write, no parsing, and a client that reads it knows why (a bare
   close looks like a network fault and is retried at once).
 - `finish_response`: a whole answer (a `web.Response` with its body in
-  bytes, the proxy's usual answer) is written as one head-and-body write,
-  with the head aiohttp's `prepare` would give it; anything else (streams,
+  bytes, the proxy's usual answer; or a `WholeAnswer`, whose header lines
+  its maker wrote) is written as one head-and-body write, with the head
+  aiohttp's `prepare` would give it; anything else (streams,
   compression, cookies, HEAD, 1xx/204/304, access logging) goes through
   aiohttp's own `prepare` and `write_eof`.
 - `handle_error`: a message the parser refuses (a line or head too long, too
@@ -56,6 +57,7 @@ from typing import Any, Final, cast
 
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web, web_protocol
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.compression_utils import MAX_SYNC_CHUNK_SIZE
 from aiohttp.helpers import ceil_timeout, must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_exceptions import (
@@ -69,6 +71,8 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.http_writer import StreamWriter, _serialize_headers
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_exceptions import HTTPException
+from aiohttp.web_response import REASON_PHRASES
+from multidict import CIMultiDict
 
 from dataplane import jsonio
 from dataplane.http.body import BodyTimeout
@@ -85,6 +89,7 @@ __all__ = [
     "ConnectionCaps",
     "EdgeLimits",
     "EdgeRunner",
+    "WholeAnswer",
     "default_max_connections",
     "descriptors_short",
     "raise_nofile_limit",
@@ -234,6 +239,65 @@ class ConnectionCaps:
         victim = next(iter(waiting))
         victim.evict()  # releases it, so its count is free now
         return True
+
+
+class WholeAnswer(web.Response):
+    """A whole answer (status, bytes body) whose header lines its maker wrote
+    as bytes: `lines`, each "Name: value\r\n" in printable ASCII, are the
+    serialisation of the headers it stands for, `origin` then each of `ours`
+    set in turn (a name set again keeps its place) and a Server line, as a
+    web.Response with them would write them. `typed`: a Content-Type is
+    among them. On the edge (`EdgeProtocol._put_whole`) the lines are
+    written as they are, with the lines aiohttp's prepare adds: the answer
+    costs no CIMultiDict writes, no serialisation and no web.Response
+    __init__ (which copies its headers): some 8,000 to 12,000 instructions
+    a proxied answer (bench/instructions.py).
+
+    Anything that reads its headers (`headers`, or aiohttp's own methods
+    through `_headers`) gets them made then, whole, and the lines are not
+    used from then on (`lines` None): the answer is a web.Response like
+    any other (aiohttp's own server, in tests, prepares it so)."""
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        lines: bytes,
+        typed: bool,
+        origin: CIMultiDict[str],
+        ours: list[tuple[str, str]],
+    ) -> None:
+        # StreamResponse's and Response's own __init__ state, but the headers;
+        # the rest are their classes' defaults.
+        self._state = {}
+        self._status = status
+        self._reason = REASON_PHRASES.get(status, "")
+        self._body = body
+        self._compressed_body = None
+        self._zlib_executor_size = MAX_SYNC_CHUNK_SIZE
+        self._zlib_executor = None
+        self.lines: bytes | None = lines
+        self.typed = typed
+        self._made: CIMultiDict[str] | None = None
+        self._origin = origin
+        self._ours = ours
+
+    @property  # type: ignore[override]
+    def _headers(self) -> CIMultiDict[str]:
+        headers = self._made
+        if headers is None:
+            headers = self._origin
+            for name, value in self._ours:
+                headers[name] = value
+            headers.setdefault(hdrs.SERVER, SERVER_NAME)
+            self._made = headers
+            self.lines = None
+        return headers
+
+    @_headers.setter
+    def _headers(self, headers: CIMultiDict[str]) -> None:
+        self._made = headers
+        self.lines = None
 
 
 class EdgeProtocol(web_protocol.RequestHandler):
@@ -797,13 +861,18 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
     def _fits(self, request: web.BaseRequest, resp: web.StreamResponse) -> bool:
         """Whether `_put_whole` writes `resp` as aiohttp would: a whole
-        web.Response on a connection with no aiohttp access logger and no
-        upgrade. Answers it does not cover go to aiohttp's `finish_response`."""
-        if type(resp) is not web.Response or self.access_logger is not None or self._upgraded:
+        web.Response (or WholeAnswer) on a connection with no aiohttp access
+        logger and no upgrade. Answers it does not cover go to aiohttp's
+        `finish_response`."""
+        kind = type(resp)
+        if (
+            (kind is not web.Response and kind is not WholeAnswer)
+            or self.access_logger is not None
+            or self._upgraded
+        ):
             return False
         writer = request._payload_writer
         version = request.version
-        headers = resp._headers
         body = resp._body
         return not (
             resp._payload_writer is not None
@@ -819,9 +888,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
             or writer._on_chunk_sent is not None
             or writer.on_body_write is not None
             or writer.output_size
-            # A handler's own framing, which aiohttp checks and uses as it is.
-            or hdrs.TRANSFER_ENCODING in headers
-            or hdrs.CONTENT_LENGTH in headers
+            # A handler's own framing, which aiohttp checks and uses as it is
+            # (a WholeAnswer's lines have none: its headers are not made).
+            or (_lines_of(resp) is None and _framed(resp._headers))
             # app.on_response_prepare hooks see (and may change) the prepared
             # head, which aiohttp's order of steps gives them.
             or (self._hooks and _prepare_hooks(request))
@@ -832,40 +901,56 @@ class EdgeProtocol(web_protocol.RequestHandler):
         head `prepare` would write (the same Content-Length, Content-Type,
         Date, Server and Connection rules), then its body. aiohttp's `prepare`
         and `write_eof` build the same bytes through some ten calls; this is
-        the path of nearly every answer. False if the client is gone; the
-        caller waits for the drain."""
+        the path of nearly every answer. A WholeAnswer's head is its lines
+        as they are, with the same lines added. False if the client is gone;
+        the caller waits for the drain."""
         body = resp._body
         writer = request._payload_writer
         assert isinstance(writer, StreamWriter) and (body is None or type(body) is bytes)
         version = request.version
-        headers = resp._headers
         request._finish()
         size = len(body) if body else 0
+        lines = _lines_of(resp)
+        if lines is None:
+            headers = resp._headers
+            typed = hdrs.CONTENT_TYPE in headers
+            dated = hdrs.DATE in headers
+            served = hdrs.SERVER in headers
+            connection = hdrs.CONNECTION in headers
+        else:
+            # Its maker's lines: the origin's headers (never a Date nor a
+            # Connection: forwarder.DROP_RESPONSE_HEADERS), ours and Server.
+            typed = cast(WholeAnswer, resp).typed
+            dated = connection = False
+            served = True
         # The headers prepare() would add (none of them is in `headers`, which
         # _fits saw without a Content-Length) come after the handler's, in
         # prepare's order: written as lines after aiohttp's serialisation of
         # the handler's, not set in `headers` first, they cost no multidict
         # writes and no serialisation (some 3,000 instructions an answer).
         added = [b"Content-Length: ", str(size).encode(), b"\r\n"]
-        if size and hdrs.CONTENT_TYPE not in headers:
+        if size and not typed:
             added.append(b"Content-Type: application/octet-stream\r\n")
-        if hdrs.DATE not in headers:
+        if not dated:
             added += (b"Date: ", rfc822_formatted_time().encode(), b"\r\n")
-        if hdrs.SERVER not in headers:
+        if not served:
             added.append(_SERVER_LINE)
         keep_alive = resp._keep_alive
         if keep_alive is None:
             keep_alive = resp._keep_alive = request.keep_alive
-        if hdrs.CONNECTION not in headers:
+        if not connection:
             if keep_alive:
                 if version == HttpVersion10:
                     added.append(b"Connection: keep-alive\r\n")
             elif version == HttpVersion11:
                 added.append(b"Connection: close\r\n")
         added.append(b"\r\n")
-        head = _serialize_headers(
-            f"HTTP/{version.major}.{version.minor} {resp.status} {resp.reason}", headers
-        )[:-2] + b"".join(added)
+        status_line = f"HTTP/{version.major}.{version.minor} {resp.status} {resp.reason}"
+        if lines is None:
+            head = _serialize_headers(status_line, headers)[:-2] + b"".join(added)
+        else:
+            # The status line's reason is aiohttp's own (WholeAnswer).
+            head = b"".join((status_line.encode(), b"\r\n", lines, *added))
         try:
             # StreamWriter's own accounting (output and buffered sizes), and
             # its refusal to write to a closing transport (a ConnectionError).
@@ -967,6 +1052,17 @@ async def _drained(writer: AbstractStreamWriter) -> bool:
     except ConnectionError:
         return False
     return True
+
+
+def _lines_of(resp: web.StreamResponse) -> bytes | None:
+    """A WholeAnswer's lines, while its headers are not made; else None."""
+    return resp.lines if type(resp) is WholeAnswer else None
+
+
+def _framed(headers: CIMultiDict[str]) -> bool:
+    """Whether a handler set its answer's own framing (Transfer-Encoding or
+    Content-Length), which aiohttp checks and uses as it is."""
+    return hdrs.TRANSFER_ENCODING in headers or hdrs.CONTENT_LENGTH in headers
 
 
 def _prepare_hooks(request: web.BaseRequest) -> bool:

@@ -44,7 +44,7 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.boundary import CLIENT_GONE, gone_reason, hand_over, send_whole
-from dataplane.http.edge import EdgeProtocol
+from dataplane.http.edge import EdgeProtocol, WholeAnswer
 from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
@@ -1422,7 +1422,8 @@ def sent_now(
         if not isinstance(protocol, EdgeProtocol):
             return None
         ex.answer = response
-        response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
+        if type(response) is not WholeAnswer:  # whose lines (or headers made) have it
+            response.headers.setdefault(hdrs.SERVER, SERVER_NAME)
         if not hand_over(request, protocol, response, draining):
             ex.stream_error = gone_reason(request)  # a 499 (boundary.returned_status)
     return response

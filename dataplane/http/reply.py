@@ -30,7 +30,7 @@ from dataplane import jsonio
 from dataplane.assemble import client_indexes
 from dataplane.cache.coalesce import FlightFailed, Follower, Leader
 from dataplane.cache.entry import CachedResponse, to_completion, to_sse_chunks
-from dataplane.http.edge import EdgeProtocol
+from dataplane.http.edge import EdgeProtocol, WholeAnswer
 from dataplane.http.errors import (
     UPSTREAM_REFUSED,
     chat_error_event,
@@ -83,30 +83,43 @@ def _origin_headers(
     ex: Exchange, origin: OriginAnswer, outcome: str, *, error: bool = False
 ) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict() if error else origin.headers
-    if not error:  # an error answer names no origin (issue 15's allowlist)
-        target = origin.target
-        headers["x-ponto-origin"] = target.name
-        headers["x-ponto-region"] = target.region
-    if ex.origin_request_id is not None:
-        headers[ORIGIN_REQUEST_ID_HEADER] = ex.origin_request_id
-    headers["x-ponto-attempts"] = str(origin.attempt)
-    if origin.hedged:
-        headers["x-ponto-hedged"] = "1"
     # Ours replace an origin's headers of the same name.
-    for name, value in ex.response_headers(outcome):
-        headers[name] = value
-    for name, value in ex.limit_headers:
+    for name, value in _ours(ex, origin, outcome, error):
         headers[name] = value
     return headers
 
 
+def _ours(ex: Exchange, origin: OriginAnswer, outcome: str, error: bool) -> list[tuple[str, str]]:
+    """The headers the proxy sets on an answer of `origin`, in their order;
+    no two of the same name."""
+    ours: list[tuple[str, str]] = []
+    if not error:  # an error answer names no origin (issue 15's allowlist)
+        target = origin.target
+        ours += (("x-ponto-origin", target.name), ("x-ponto-region", target.region))
+    if ex.origin_request_id is not None:
+        ours.append((ORIGIN_REQUEST_ID_HEADER, ex.origin_request_id))
+    ours.append(("x-ponto-attempts", str(origin.attempt)))
+    if origin.hedged:
+        ours.append(("x-ponto-hedged", "1"))
+    ours += ex.response_headers(outcome)
+    ours += ex.limit_headers
+    return ours
+
+
 def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -> web.Response:
     """The origin's whole `body` as it sent it; an error one (status 400 and
-    up) allowlisted, its code noted for the access log (`ex.origin_error`)."""
+    up) allowlisted, its code noted for the access log (`ex.origin_error`).
+    An answer as the edge writes it (a WholeAnswer) when its headers allow
+    (`_lines`), but for a stream whose head went out (`ex.held`)."""
     if origin.status < 400:
-        return web.Response(
-            status=origin.status, body=body, headers=_origin_headers(ex, origin, outcome)
-        )
+        ours = _ours(ex, origin, outcome, False)
+        if ex.held is None and (lines := _lines(origin.headers, ours)) is not None:
+            typed = hdrs.CONTENT_TYPE in origin.headers
+            return WholeAnswer(origin.status, body, lines, typed, origin.headers, ours)
+        headers = origin.headers
+        for name, value in ours:
+            headers[name] = value
+        return web.Response(status=origin.status, body=body, headers=headers)
     shown = origin_error(
         origin.status,
         media_type(origin.headers),
@@ -120,6 +133,82 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
         content_type="application/json",
         headers=_origin_headers(ex, origin, outcome, error=True),
     )
+
+
+# Header lines as WholeAnswer holds them, by name and value: the origin's
+# (whose names are none of ours) and ours apart, since an origin's header of
+# one of our names is not written where ours would be. Each checked once
+# (printable ASCII: aiohttp's serialisation would write the same bytes);
+# cleared when full, since remaining counts and origins' own values vary.
+_ORIGIN_LINES: dict[tuple[str, str], bytes] = {}
+_OUR_LINES: dict[tuple[str, str], bytes] = {}
+_LINES_MAX: Final = 512
+# Our names, lowercased: an origin's header of one of them is replaced by
+# ours in its place (CIMultiDict), which WholeAnswer's lines do not do.
+_OUR_NAMES: Final = frozenset(
+    {
+        "x-ponto-origin",
+        "x-ponto-region",
+        ORIGIN_REQUEST_ID_HEADER,
+        "x-ponto-attempts",
+        "x-ponto-hedged",
+        "x-request-id",
+        "x-ponto-cache",
+        "x-ponto-cache-reason",
+        "x-ponto-cache-tier",
+        "x-ponto-route",
+        "age",
+    }
+)
+# Unique to each answer: not remembered.
+_OWN_IDS: Final = ("x-request-id", ORIGIN_REQUEST_ID_HEADER)
+
+
+def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | None:
+    """The lines of a WholeAnswer with `origin`'s headers and `ours`; None
+    when a web.Response must carry them: an origin's header of one of our
+    names (or a limit's), or a name or value that is not printable ASCII
+    (which aiohttp writes as UTF-8, or refuses)."""
+    out: list[bytes] = []
+    known = _ORIGIN_LINES
+    for pair in origin.items():
+        line = known.get(pair)
+        if line is None:
+            name = pair[0]
+            lower = name.lower()
+            if lower in _OUR_NAMES or lower.startswith("x-ratelimit"):
+                return None
+            line = _line(pair)
+            if line is None:
+                return None
+            if len(known) >= _LINES_MAX:
+                known.clear()
+            known[pair] = line
+        out.append(line)
+    known = _OUR_LINES
+    for pair in ours:
+        line = known.get(pair)
+        if line is None:
+            line = _line(pair)
+            if line is None:
+                return None
+            if pair[0] not in _OWN_IDS:
+                if len(known) >= _LINES_MAX:
+                    known.clear()
+                known[pair] = line
+        out.append(line)
+    out.append(_SERVER_LINE)
+    return b"".join(out)
+
+
+def _line(pair: tuple[str, str]) -> bytes | None:
+    """A header's line, None unless it is printable ASCII."""
+    text = f"{pair[0]}: {pair[1]}"
+    return f"{text}\r\n".encode() if text.isascii() and text.isprintable() else None
+
+
+# The Server line every answer gets (sent_now), as WholeAnswer's lines end.
+_SERVER_LINE: Final = f"{hdrs.SERVER}: {SERVER_NAME}\r\n".encode()
 
 
 def origin_stream(

@@ -2,7 +2,9 @@
 from inside a handler) are byte for byte what aiohttp's own prepare and
 write_eof send: the same answers, asked for by the same requests, from an
 EdgeRunner and from aiohttp's AppRunner on loopback. Only the Date header may
-differ (it is the second the answer left)."""
+differ (it is the second the answer left). A WholeAnswer (the pipeline's
+whole answer, its header lines written by dataplane.http.reply) is what
+aiohttp sends for the headers it stands for."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import re
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
 
+from dataplane.http import reply
 from dataplane.http.boundary import send_whole
-from dataplane.http.edge import EdgeLimits, EdgeRunner
+from dataplane.http.edge import EdgeLimits, EdgeRunner, WholeAnswer
 from dataplane.http.state import DRAINING, Draining
 
 BOUND = 5.0  # what a wait that must end may take before the test fails
@@ -26,7 +30,34 @@ def closing() -> web.Response:
     return response
 
 
+OURS = [
+    ("x-ponto-origin", "o1"),
+    ("x-ponto-attempts", "1"),
+    ("x-request-id", "7ad6aac716e7e2f8"),
+    ("x-ponto-cache", "miss"),
+]
+
+
+def whole(origin: list[tuple[str, str]], body: bytes = b"{}") -> WholeAnswer:
+    """A WholeAnswer as reply.origin_body makes it, of an origin's `origin` headers."""
+    headers = CIMultiDict(origin)
+    lines = reply._lines(headers, OURS)
+    assert lines is not None
+    return WholeAnswer(200, body, lines, hdrs.CONTENT_TYPE in headers, headers, list(OURS))
+
+
+def whole_read() -> WholeAnswer:
+    """One whose headers were read and changed before it went out."""
+    response = whole([("Content-Type", "application/json")])
+    response.headers["x-late"] = "1"
+    return response
+
+
 ANSWERS: dict[str, Callable[[], web.Response]] = {
+    "/whole": lambda: whole([("Content-Type", "application/json"), ("x-o", "v")]),
+    "/whole-untyped": lambda: whole([("x-o", "v")]),
+    "/whole-empty": lambda: whole([("Content-Type", "application/json")], b""),
+    "/whole-read": whole_read,
     "/json": lambda: web.json_response({"a": 1}),
     "/bytes": lambda: web.Response(body=b"abc", headers={"x-request-id": "r1"}),
     "/empty": web.Response,

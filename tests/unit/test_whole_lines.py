@@ -1,0 +1,95 @@
+"""A WholeAnswer's header lines (dataplane.http.reply._lines) are what
+aiohttp serialises for the headers a web.Response would carry: the origin's,
+ours set in turn, then Server. Headers they could not stand for exactly
+leave the answer a web.Response (None)."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import hdrs, web
+from aiohttp.http_writer import _serialize_headers
+from multidict import CIMultiDict
+
+from dataplane.http import reply
+from dataplane.http.edge import WholeAnswer
+
+OURS = [
+    ("x-ponto-origin", "o1"),
+    ("x-ponto-region", "eu"),
+    ("x-ponto-attempts", "2"),
+    ("x-request-id", "7ad6aac716e7e2f8"),
+    ("x-ponto-cache", "miss"),
+    ("x-ponto-cache-reason", "truncated"),
+    ("x-ratelimit-remaining-requests", "99"),
+]
+
+
+def as_aiohttp(origin: list[tuple[str, str]], ours: list[tuple[str, str]]) -> bytes:
+    """The header lines aiohttp writes for `origin` with `ours` set and a Server."""
+    headers = CIMultiDict(origin)
+    for name, value in ours:
+        headers[name] = value
+    headers.setdefault(hdrs.SERVER, "ponto")
+    return _serialize_headers("S", headers)[len("S\r\n") : -2]
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        [],
+        [("Content-Type", "application/json")],
+        [("content-type", "application/json"), ("openai-processing-ms", "12"), ("x-a", "1")],
+        [("x-a", "1"), ("X-A", "2")],
+    ],
+)
+def test_lines_are_what_aiohttp_writes(origin: list[tuple[str, str]]) -> None:
+    for _ in range(2):  # made, then remembered
+        assert reply._lines(CIMultiDict(origin), OURS) == as_aiohttp(origin, OURS)
+
+
+@pytest.mark.parametrize(
+    ("origin", "ours"),
+    [
+        # An origin's header of one of our names: ours takes its place.
+        ([("X-Request-Id", "theirs"), ("x-a", "1")], OURS),
+        ([("Age", "3")], OURS),
+        # Not printable ASCII: aiohttp writes UTF-8, or refuses a control character.
+        ([("x-a", "café")], OURS),
+        ([("x-a", "a\tb")], OURS),
+        ([], [*OURS, ("x-ponto-route", "a\x01b")]),
+        ([], [("x-ponto-origin", "o\u00e9")]),
+    ],
+)
+def test_lines_it_cannot_stand_for_leave_a_response(
+    origin: list[tuple[str, str]], ours: list[tuple[str, str]]
+) -> None:
+    assert reply._lines(CIMultiDict(origin), ours) is None
+
+
+def test_request_ids_are_not_remembered() -> None:
+    reply._OUR_LINES.clear()
+    reply._lines(CIMultiDict(), OURS)
+    assert ("x-request-id", "7ad6aac716e7e2f8") not in reply._OUR_LINES
+    assert ("x-ponto-origin", "o1") in reply._OUR_LINES
+
+
+def test_headers_read_are_made_whole_and_the_lines_dropped() -> None:
+    origin = CIMultiDict([("Content-Type", "application/json")])
+    lines = reply._lines(origin, OURS)
+    assert lines is not None
+    answer = WholeAnswer(200, b"{}", lines, True, origin, list(OURS))
+    before = answer.lines
+    assert answer.headers["x-ponto-region"] == "eu"
+    assert answer.headers[hdrs.SERVER] == "ponto"
+    assert next(iter(answer.headers)) == "Content-Type"
+    assert (before, answer.lines) == (lines, None)
+    assert answer.status == 200 and answer.reason == "OK" and answer.body == b"{}"
+
+
+def test_it_holds_what_aiohttp_s_own_init_sets() -> None:
+    """WholeAnswer.__init__ stands for web.Response's (not called): every
+    attribute aiohttp's sets is set, the headers made when read."""
+    origin: CIMultiDict[str] = CIMultiDict()
+    answer = WholeAnswer(200, b"x", b"", False, origin, [])
+    own = {"lines", "typed", "_made", "_origin", "_ours"}
+    assert set(vars(web.Response(body=b"x"))) == set(vars(answer)) - own | {"_headers"}
