@@ -686,8 +686,64 @@ class Forwarder:
                         answer = await self._race(
                             ordered, float(delay), path, body, headers, stream, tries, trace
                         )
-            if answer is None and not (tries.past_deadline or tries.too_large):
-                answer = await self._failover(ordered, path, body, headers, stream, tries, trace)
+            ended = tries.past_deadline or tries.too_large
+            if answer is None and not ended:
+                # The attempts one at a time from candidate tries.made, in this
+                # frame: each frame an await passes through costs some 900
+                # instructions a wait, and every request waits here.
+                deadlines = self._deadlines
+                if deadlines is None or deadlines.loop is not loop:
+                    deadlines = self._deadlines = Deadlines(loop)
+                task = asyncio.current_task(loop)
+                assert task is not None  # a coroutine runs in a task
+                failures = tries.failures
+                attempt = tries.made
+                while attempt < len(ordered):
+                    attempt += 1
+                    if attempt > 1 and ordered[attempt - 1].name in self.stalls.unhealthy:
+                        # The candidates were ordered by the table the request began
+                        # with: one the table marks unhealthy since is tried after the
+                        # rest (trial 59: a retry waited out a second origin marked
+                        # unhealthy seconds before, where another region was healthy).
+                        # In place: tries.made names its target below.
+                        _healthy_first(ordered, attempt - 1, self.stalls.unhealthy)
+                    target = ordered[attempt - 1]
+                    if tries.deadline - loop.time() <= 0:
+                        failures.append("request deadline exceeded")
+                        break
+                    # A call never sent (no connection for it) is no retry the budget
+                    # guards origins from: else one tenant past its share would spend
+                    # the tokens other tenants' failovers need.
+                    if attempt > 1 and not tries.unsent and not self.budget.try_retry():
+                        failures.append("retry budget exhausted")
+                        self._metrics.retries_refused.inc()
+                        break
+                    tries.made = attempt
+                    try:
+                        # A deadline the socket timeouts cannot replace: an origin that
+                        # trickles a body never trips the read timeout.
+                        with deadlines.bound(task, tries.deadline):
+                            if trace is None:
+                                answer = await self._call(
+                                    target, path, body, headers, attempt, stream, tries
+                                )
+                            else:
+                                answer = await self._attempt(
+                                    target, path, body, headers, attempt, stream, tries, trace
+                                )
+                        self._won(answer)
+                        break
+                    except _Retryable as exc:
+                        self._failed(target, exc, tries)
+                        if tries.too_large:
+                            break
+                    except TimeoutError:
+                        self._past_deadline(target, tries)
+                        break
+                    except asyncio.CancelledError:
+                        # Usually sent already: the origin saw it (its prefill was spent).
+                        self._metrics.attempt(target.name, "cancelled").inc()
+                        raise
         except asyncio.CancelledError:
             if sent is not None and tries.made:
                 sent.calls, sent.target = tries.made, ordered[tries.made - 1]
@@ -757,75 +813,6 @@ class Forwarder:
         if skipped:
             line += f" ({skipped} more such {'line' if skipped == 1 else 'lines'} not logged)"
         log.log(logging.INFO if busy else logging.WARNING, line, *args)
-
-    async def _failover(
-        self,
-        ordered: list[Target],
-        path: str,
-        body: bytes,
-        headers: CIMultiDict[str],
-        stream: bool,
-        tries: _Tries,
-        trace: RequestTrace | None,
-    ) -> OriginAnswer | None:
-        """Attempts one at a time from candidate `tries.made`; None when none committed."""
-        loop = self._loop
-        assert loop is not None  # a forward() runs
-        deadlines = self._deadlines
-        if deadlines is None or deadlines.loop is not loop:
-            deadlines = self._deadlines = Deadlines(loop)
-        task = asyncio.current_task(loop)
-        assert task is not None  # a coroutine runs in a task
-        failures = tries.failures
-        attempt = tries.made
-        while attempt < len(ordered):
-            attempt += 1
-            if attempt > 1 and ordered[attempt - 1].name in self.stalls.unhealthy:
-                # The candidates were ordered by the table the request began
-                # with: one the table marks unhealthy since is tried after the
-                # rest (trial 59: a retry waited out a second origin marked
-                # unhealthy seconds before, where another region was healthy).
-                # In place: forward() names the target of tries.made from it.
-                _healthy_first(ordered, attempt - 1, self.stalls.unhealthy)
-            target = ordered[attempt - 1]
-            remaining = tries.deadline - loop.time()
-            if remaining <= 0:
-                failures.append("request deadline exceeded")
-                break
-            # A call never sent (no connection for it) is no retry the budget
-            # guards origins from: else one tenant past its share would spend
-            # the tokens other tenants' failovers need.
-            if attempt > 1 and not tries.unsent and not self.budget.try_retry():
-                failures.append("retry budget exhausted")
-                self._metrics.retries_refused.inc()
-                break
-            tries.made = attempt
-            try:
-                # A deadline the socket timeouts cannot replace: an origin that
-                # trickles a body never trips the read timeout.
-                with deadlines.bound(task, tries.deadline):
-                    if trace is None:
-                        answer = await self._call(
-                            target, path, body, headers, attempt, stream, tries
-                        )
-                    else:
-                        answer = await self._attempt(
-                            target, path, body, headers, attempt, stream, tries, trace
-                        )
-                self._won(answer)
-                return answer
-            except _Retryable as exc:
-                self._failed(target, exc, tries)
-                if tries.too_large:
-                    break
-            except TimeoutError:
-                self._past_deadline(target, tries)
-                break
-            except asyncio.CancelledError:
-                # Usually sent already: the origin saw it (its prefill was spent).
-                self._metrics.attempt(target.name, "cancelled").inc()
-                raise
-        return None
 
     async def _race(
         self,
