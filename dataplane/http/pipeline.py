@@ -841,7 +841,7 @@ class Pipeline:
         # once as bytes, not twice: a 7.5 MB base64 image was 3 copies a
         # stream (the client's bytes, the parsed string, the spliced bytes).
         ex.raw = body
-        headers = forwarder.request_headers(ex.headers, ex.request_id, ex.traceparent)
+        headers, lines = forwarder.origin_headers(ex.headers, ex.request_id, ex.traceparent)
         sent = Sent()
         try:
             answer = await forwarder.forward(
@@ -871,6 +871,7 @@ class Pipeline:
                     if ex.endpoint.name == "embeddings"
                     else 0
                 ),
+                lines=lines,
             )
         except ApiError as exc:
             ex.attempts = exc.attempts

@@ -413,6 +413,9 @@ class _Tries:
     # An embeddings request's inputs, each of which its answer must hold an
     # embedding of (forward's `embeddings`); 0: not counted.
     embeddings: int = 0
+    # The request's headers and their lines in its head (forward's `lines`):
+    # the lines stand for those headers alone, not a copy an attempt changed.
+    lined: tuple[CIMultiDict[str], bytes] | None = None
 
 
 class _StreamOptionsRefused(Exception):
@@ -525,9 +528,20 @@ class Forwarder:
         the allowed client headers, within MAX_FORWARDED_VALUE each and
         MAX_FORWARDED_TOTAL in all (see there); with `traceparent`, that one
         (the request's own trace context, when no span of it is recorded)."""
+        return self.origin_headers(incoming, request_id, traceparent)[0]
+
+    def origin_headers(
+        self, incoming: Mapping[str, str], request_id: str, traceparent: str | None = None
+    ) -> tuple[CIMultiDict[str], bytes | None]:
+        """`request_headers`, and their lines as a request head has them (the
+        bytes aiohttp's serialisation makes of them), made as they are set,
+        for `forward`'s `lines`; None when one is not printable ASCII, or a
+        client's trace context is replaced (the wire serialises them then)."""
         headers: CIMultiDict[str] = CIMultiDict()
         headers["content-type"] = "application/json"
         headers["x-request-id"] = request_id
+        plain = request_id.isascii() and request_id.isprintable()
+        lines = [_JSON_LINE, b"x-request-id: ", request_id.encode(), b"\r\n"] if plain else []
         total = 0
         for name in self._forward:
             value = incoming.get(name)
@@ -545,10 +559,16 @@ class Forwarder:
             if total > MAX_FORWARDED_TOTAL:
                 break
             headers[name] = value
+            if plain:
+                plain = _add_line(lines, name, value)
         if traceparent is not None:
+            if plain and ("traceparent" in headers or "tracestate" in headers):
+                plain = False  # set again in its place, or taken out
             headers["traceparent"] = traceparent
             headers.popall("tracestate", None)  # a client's, of another trace
-        return headers
+            if plain:
+                plain = _add_line(lines, "traceparent", traceparent)
+        return headers, b"".join(lines) if plain else None
 
     async def forward(
         self,
@@ -570,6 +590,7 @@ class Forwarder:
         max_tokens_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
         embeddings: int = 0,
+        lines: bytes | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
         commits to an answer: a status under 500 but no redirect and, for a
@@ -640,6 +661,10 @@ class Forwarder:
         `embeddings`: how many inputs an embeddings request has (0: not
         counted). A whole answer parsed before sending whose `data` holds
         another number of embeddings is no answer of it (_missing_answer).
+
+        `lines`: `headers`' lines in a request head (`origin_headers`), which
+        an attempt that sends `headers` as they are writes as they are (no
+        serialisation); `headers` must not change after.
         """
         loop = self._loop = asyncio.get_running_loop()
         settings = self._settings
@@ -651,6 +676,7 @@ class Forwarder:
             max_tokens_added=max_tokens_added,
             plain_body=plain_body,
             embeddings=embeddings,
+            lined=None if lines is None else (headers, lines),
         )
         if stream and settings.first_chunk_timeout is not None:
             if tenants_own and first_chunk_within is not None:
@@ -1284,8 +1310,14 @@ class Forwarder:
                     tenant = tries.tenant if tries is not None else ""
                     wire = self._wire
                     if method is None:
+                        lined = tries.lined if tries is not None else None
                         resp = await wire.post(
-                            target.url(path), body, headers, first_within, tenant
+                            target.url(path),
+                            body,
+                            headers,
+                            first_within,
+                            tenant,
+                            lined[1] if lined is not None and lined[0] is headers else None,
                         )
                     else:
                         resp = await wire.call(
@@ -2000,3 +2032,17 @@ def _connection_options(headers: CIMultiDictProxy[str]) -> frozenset[str]:
             if option := option.strip():
                 options.add(option.lower())
     return frozenset(options)
+
+
+# The content type of every call's body, as a line of its head.
+_JSON_LINE: Final = b"content-type: application/json\r\n"
+
+
+def _add_line(lines: list[bytes], name: str, value: str) -> bool:
+    """Add the header's line to `lines`; False (nothing added) unless it is
+    printable ASCII, which aiohttp's serialisation would write as it is."""
+    text = f"{name}: {value}"
+    if not (text.isascii() and text.isprintable()):
+        return False
+    lines.append(f"{text}\r\n".encode())
+    return True

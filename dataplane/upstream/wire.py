@@ -449,7 +449,13 @@ class _Pool:
         return False
 
 
-def request_head(endpoint: _Endpoint, line: str, headers: CIMultiDict[str], length: int) -> bytes:
+def request_head(
+    endpoint: _Endpoint,
+    line: str,
+    headers: CIMultiDict[str],
+    length: int,
+    lines: bytes | None = None,
+) -> bytes:
     """The head of a call of `line` to `endpoint` with `headers` and a body of
     `length` bytes: `headers`, then Host, Content-Length and the
     DEFAULT_HEADERS they lack, in that order (the endpoint's basic auth
@@ -461,7 +467,8 @@ def request_head(endpoint: _Endpoint, line: str, headers: CIMultiDict[str], leng
     multidict writes and their serialisation (some 1,300 instructions a
     header serialised: callgrind). `headers` is left as it came. Any other head has them set in
     `headers` (a copy, for the basic auth) as before: the bytes are the same,
-    as a header set again keeps its place."""
+    as a header set again keeps its place. `lines`: `headers`' own lines
+    (`post`), written as they are after the endpoint's request line."""
     authorization = endpoint.authorization
     if (
         hdrs.HOST not in headers
@@ -473,6 +480,8 @@ def request_head(endpoint: _Endpoint, line: str, headers: CIMultiDict[str], leng
             if name not in headers:
                 tail.append(header_line)
         tail.append(b"\r\n")
+        if lines is not None and line is endpoint.line and endpoint.head_line is not None:
+            return b"".join((endpoint.head_line, lines, *tail))
         return _serialize_headers(line, headers)[:-2] + b"".join(tail)
     if authorization is not None and hdrs.AUTHORIZATION not in headers:
         # This origin's own: not left in a dict the next attempt reuses.
@@ -496,7 +505,7 @@ class _Endpoint:
     ClientRequest, the connector's key), its pool, and the request line and
     Host header, built once."""
 
-    __slots__ = ("authorization", "host", "host_line", "key", "line", "pool")
+    __slots__ = ("authorization", "head_line", "host", "host_line", "key", "line", "pool")
 
     def __init__(
         self, url: URL, loop: asyncio.AbstractEventLoop, ssl_context: ssl.SSLContext | None = None
@@ -508,6 +517,10 @@ class _Endpoint:
         self.key = ClientRequest("POST", url, loop=loop, ssl=ssl_context or True)
         self.pool = _Pool()  # the wire gives it the one of its host, port and scheme
         self.line = f"POST {url.raw_path_qs} HTTP/1.1"
+        # As aiohttp's serialisation writes it (None: it is left to that).
+        self.head_line = (
+            f"{self.line}\r\n".encode() if self.line.isascii() and self.line.isprintable() else None
+        )
         default_port = url.is_default_port()
         self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
         if ":" in url.raw_host and not url.raw_host.startswith("["):
@@ -755,6 +768,7 @@ class OriginWire:
         headers: CIMultiDict[str],
         read_timeout: float | None = None,
         tenant: str = "",
+        lines: bytes | None = None,
     ) -> Coroutine[Any, Any, OriginResponse]:
         """Send `body` to `url` with `headers`, to which Host, Content-Length
         and the DEFAULT_HEADERS it lacks are added (set again on every call, so
@@ -763,14 +777,16 @@ class OriginWire:
         this call, until `OriginResponse.time_reads` changes it. The call is
         counted in `tenant`'s share of the pool until its answer is released
         or closed; OriginFull, sending nothing, when the share is taken or no
-        connection came free within the queue timeout.
+        connection came free within the queue timeout. `lines`: the lines
+        `headers` make in a request head, when the caller has them (made as
+        aiohttp's serialisation would: printable ASCII), written as they are.
 
         Not a coroutine of its own: it returns `_send`'s, so that the call's
         chain of awaits has no frame here (each frame an await passes
         through costs some 900 instructions a wait: bench/instructions.py).
         Await what it returns."""
         endpoint = self._endpoint(url)
-        return self._send(endpoint, endpoint.line, body, headers, read_timeout, tenant)
+        return self._send(endpoint, endpoint.line, body, headers, read_timeout, tenant, lines)
 
     def call(
         self,
@@ -789,7 +805,7 @@ class OriginWire:
         returns `_send`'s coroutine."""
         endpoint = self._endpoint(base)
         line = f"{method} {base.raw_path.rstrip('/')}{path} HTTP/1.1"
-        return self._send(endpoint, line, body, headers, read_timeout, tenant)
+        return self._send(endpoint, line, body, headers, read_timeout, tenant, None)
 
     async def _send(
         self,
@@ -799,6 +815,7 @@ class OriginWire:
         headers: CIMultiDict[str],
         read_timeout: float | None,
         tenant: str,
+        lines: bytes | None,
     ) -> OriginResponse:
         pool = endpoint.pool
         # The common path's whole cost of the shares: a lookup and a store.
@@ -834,7 +851,7 @@ class OriginWire:
             if transport is None:
                 raise aiohttp.ServerDisconnectedError()
             head = conn.expect(self._read_timeout if read_timeout is None else read_timeout)
-            transport.writelines((request_head(endpoint, line, headers, len(body)), body))
+            transport.writelines((request_head(endpoint, line, headers, len(body), lines), body))
             # The read timeout runs from here: the request handed to the socket
             # (a large body may still be leaving; aiohttp's session started it
             # once the body was written).
