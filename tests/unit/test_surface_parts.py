@@ -622,14 +622,9 @@ def test_a_2xx_error_with_no_answer_is_a_failed_attempt(
 def test_a_502_says_what_the_origins_tried_did(
     failed: int, errored: int, timed_out: int, unreached: int, refused: int, message: str
 ) -> None:
-    tries = _Tries(
-        0.0,
-        failed=failed,
-        errored=errored,
-        timed_out=timed_out,
-        unreached=unreached,
-        refused=refused,
-    )
+    tries = _Tries(0.0)
+    tries.failed, tries.errored, tries.timed_out = failed, errored, timed_out
+    tries.unreached, tries.refused = unreached, refused
     tries.failures = ["o: …"] * failed + ["retry budget exhausted"]
     assert _what_failed(tries) == message
 
