@@ -82,13 +82,30 @@ def only_done(chunk: bytes) -> bool:
     the answer before it (comments, names alone and empty data aside, as
     Opening reads them; its blank line may not have come): a stream without
     one event (trial 45: passed on as an empty answer, which the SDK reads as
-    nothing)."""
-    if b"[DONE]" not in chunk:  # nearly every first chunk: one search
+    nothing).
+
+    Read up to each blank line in turn (the parser's events do not depend on
+    how its bytes are split), and no further than the first event that
+    decides: a short answer that came whole in its first chunk, [DONE] and
+    all, is not parsed here for nothing."""
+    # find, not `in`: see dataplane.streaming.sse.
+    if chunk.find(b"[DONE]") < 0:  # nearly every first chunk: one search
         return False
     parser = SseParser()
-    events = parser.feed(chunk)
+    said: list[Event] = []
+    at = 0
+    while at < len(chunk):
+        blank = chunk.find(b"\n\n", at)
+        end = len(chunk) if blank < 0 else blank + 2
+        said += [event for event in parser.feed(chunk[at:end]) if event.data]
+        if len(said) > 1 or (said and not _done_alone(said[0])):
+            return False
+        at = end
     last = parser.close()
-    if last is not None:
-        events.append(last)
-    said = [event for event in events if event.data]
-    return len(said) == 1 and said[0].done and not said[0].name
+    if last is not None and last.data:
+        said.append(last)
+    return len(said) == 1 and _done_alone(said[0])
+
+
+def _done_alone(event: Event) -> bool:
+    return event.done and not event.name

@@ -15,6 +15,7 @@ from dataplane.streaming.opening import only_done
         b"data:[DONE]\n\n",
         b": ping\n\ndata: [DONE]\n\n",
         b"\r\ndata: [DONE]\r\n\r\n",
+        b"data: [DONE]\n\n: ping\n\n",
     ],
 )
 def test_a_first_chunk_of_done_alone_is_no_answer(chunk: bytes) -> None:
@@ -29,6 +30,11 @@ def test_a_first_chunk_of_done_alone_is_no_answer(chunk: bytes) -> None:
         b'data: {"choices": [{"delta": {"content": "data: [DONE]"}}]}\n\n',
         b"event: done\ndata: [DONE]\n\n",
         b": ping\n\n",
+        # Read to the event that decides, in whatever blocks the chunk has.
+        b'data: {"a": 1}\ndata: [DONE]\n\n',
+        b"data: [DONE]\n\ndata: {}\n\n",
+        b"data: [DONE]\n\ndata: {}",
+        b"data: [DONE]\n\ndata: [DONE]\n\n",
     ],
 )
 def test_a_first_chunk_with_an_event_or_without_done_is_an_answer(chunk: bytes) -> None:
