@@ -532,6 +532,10 @@ async def _relay_events(
             too_long = 0  # the bound, when an event passing it made the cut
             frames: list[bytes] = []
             events = parser.feed(chunk)
+            # A chunk of whole one-line events, which is what framing each
+            # would make of it, is written as it came while its events go
+            # on unchanged (nearly always): not framed event by event.
+            verbatim = parser.verbatim and rewrite is None
             if events and idle is not None:
                 # The idle timeout counts from the last event, not from the
                 # last byte: an origin's comments (which the client is sent a
@@ -557,6 +561,8 @@ async def _relay_events(
                     # ends there, and this runs for each.
                     elif ev.data.find(b"error", 0, 48) >= 0 and is_error_event(ev.data):
                         cut = ERROR_EVENT
+                        if verbatim:
+                            frames = _before(chunk, events, ev)
                         break
                 if data is None:
                     continue
@@ -568,14 +574,21 @@ async def _relay_events(
                 if ev.done or ev.name in RESPONSES_ENDS:
                     done = True
                 if trim is not None and (shown := trim(ev.data)) is not ev.data:
+                    if verbatim:
+                        frames = _before(chunk, events, ev)
+                        verbatim = False
                     if shown is None:
                         continue
                     ev = Event(shown, ev.name)
+                if verbatim:
+                    continue
                 # _frame's common case (one data line, no name) inline: per event.
                 if not ev.name and ev.data.find(b"\n") < 0:
                     frames.append(b"data: " + ev.data + b"\n\n")
                 else:
                     frames.append(_frame(ev))
+            if verbatim and not cut:
+                frames = [chunk]
             if frames:
                 framed = b"".join(frames)
                 if chunks is not None:
@@ -860,6 +873,18 @@ def _comments(chunk: bytes) -> bool:
     chunk that starts inside a line may be taken for one, which costs a
     keep-alive at most."""
     return chunk[:1] == b":" or b"\n:" in chunk or b"\r:" in chunk
+
+
+def _before(chunk: bytes, events: list[Event], ev: Event) -> list[bytes]:
+    """The frames of `events` before `ev`, of a chunk that is its events
+    framed (SseParser.verbatim): its bytes up to `ev`'s, each event's
+    `size` and its blank line's LF."""
+    at = 0
+    for before in events:
+        if before is ev:
+            break
+        at += before.size + 1
+    return [chunk[:at]] if at else []
 
 
 def _frame(ev: Event) -> bytes:

@@ -79,7 +79,12 @@ class Event:
 class SseParser:
     """With a `limit`, the first block (an event, or lines with neither data
     nor a name) whose size passes it sets `over`: feed() returns the events
-    before it, and nothing from then on."""
+    before it, and nothing from then on.
+
+    `verbatim`: the chunk last fed was its events exactly, each as
+    `data: ` + its data + LF LF (one data line, no name, nothing held
+    before or after), so that a relay that frames events so may send the
+    chunk itself (dataplane.streaming.relay)."""
 
     __slots__ = (
         "_cr",
@@ -91,11 +96,13 @@ class SseParser:
         "_size",
         "_start",
         "over",
+        "verbatim",
     )
 
     def __init__(self, limit: int = 0) -> None:
         self._limit = limit
         self.over = False
+        self.verbatim = False
         # The stream's first bytes, while they may still be a byte order mark
         # (it may come split); None once past them.
         self._start: bytes | None = b""
@@ -126,6 +133,7 @@ class SseParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order (see `over`)."""
+        self.verbatim = False
         if not chunk or self.over:
             return []
         if (
@@ -146,10 +154,12 @@ class SseParser:
             # (split on a blank line and `data: `, the LFs are twice the pieces).
             if chunk.find(b"\n") == len(chunk) - 2:
                 self._start = None
+                self.verbatim = True
                 return [Event(chunk[6:-2], b"", len(chunk) - 1)]
             datas = chunk[6:-2].split(b"\n\ndata: ")
             if chunk.count(b"\n") == 2 * len(datas):
                 self._start = None
+                self.verbatim = True
                 return [Event(data, b"", len(data) + 7) for data in datas]
         if self._start is not None:
             chunk = self._start + chunk

@@ -1005,3 +1005,52 @@ async def test_comments_after_an_event_do_not_start_the_idle_timeout_over(
     )
     assert end.cut == "no event, only comments, for 0.3 s"
     assert b"data: [DONE]\n\n" not in out.written
+
+
+ONE_LINE_EVENTS = (b'{"a":1}', b'{"choices":[],"usage":{}}', b'{"b":2}', b"[DONE]")
+
+
+@pytest.mark.parametrize(
+    ("shown", "expected"),
+    [
+        ({}, ONE_LINE_EVENTS),
+        ({b'{"choices":[],"usage":{}}': None}, (b'{"a":1}', b'{"b":2}', b"[DONE]")),
+        ({b'{"b":2}': b"b"}, (b'{"a":1}', b'{"choices":[],"usage":{}}', b"b", b"[DONE]")),
+        ({b'{"a":1}': None, b'{"b":2}': b"b"}, (b'{"choices":[],"usage":{}}', b"b", b"[DONE]")),
+    ],
+    ids=["as-it-came", "one-left-out", "one-changed", "first-left-out"],
+)
+async def test_a_read_of_one_line_events_reaches_the_client_as_trim_shows_each(
+    shown: dict[bytes, bytes | None], expected: tuple[bytes, ...]
+) -> None:
+    # A read of whole one-line events is written as it came, unless an event
+    # is shown otherwise: then the events before it as they came, and each
+    # after it framed.
+    out, reader = Out(), Reader()
+    end = await relay(
+        b"".join(b"data: " + data + b"\n\n" for data in ONE_LINE_EVENTS),
+        Content(),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        resume=no_resume,
+        trim=lambda data: shown.get(data, data),
+    )
+    assert end.complete
+    assert b"".join(out.written) == b"".join(b"data: " + data + b"\n\n" for data in expected)
+    assert [ev.data for ev in reader.events] == list(ONE_LINE_EVENTS)
+
+
+async def test_an_error_event_inside_a_read_of_one_line_events_ends_what_came_before_it() -> None:
+    chunk = b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: {"error":{"message":"x"}}\n\ndata: [DONE]\n\n'
+    out, reader = Out(), Reader()
+    end = await relay(
+        chunk,
+        Content(),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        error_event=b"data: ended\n\n",
+        resume=no_resume,
+    )
+    assert end.cut == "the origin sent an error event"
+    assert b"".join(out.written) == b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: ended\n\n'
+    assert [ev.data for ev in reader.events] == [b'{"a":1}', b'{"b":2}']
