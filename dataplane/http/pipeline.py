@@ -101,7 +101,6 @@ from dataplane.streaming.usage import (
     asks_usage,
     believed,
     ceilings,
-    for_unasked,
     usage_of,
     with_usage_asked,
     within_floors,
@@ -1241,7 +1240,7 @@ class Pipeline:
                 watch=watch,
                 whole=whole,
                 shown=shown,
-                trim=for_unasked if ex.usage_added else None,
+                trim=counter.unasked if ex.usage_added else None,
                 held=ex.held,
             )
         except asyncio.CancelledError:

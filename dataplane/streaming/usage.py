@@ -336,7 +336,15 @@ class UsageCounter:
     that finished (the events that carry a finish are parsed for it).
     """
 
-    __slots__ = ("content_events", "error_event", "event_bytes", "finished", "finishes", "usage")
+    __slots__ = (
+        "_keyless",
+        "content_events",
+        "error_event",
+        "event_bytes",
+        "finished",
+        "finishes",
+        "usage",
+    )
 
     def __init__(
         self, finishes: list[bytes] | None = None, finished: set[int] | None = None
@@ -350,20 +358,23 @@ class UsageCounter:
         self.usage: Usage | None = None
         self.finishes = finishes
         self.finished = finished
+        # The data of the last event counted, when it has no "usage" key
+        # (None otherwise): `unasked` need not search it again.
+        self._keyless: bytes | None = None
 
     def event(self, ev: Event) -> None:
         data = ev.data
         self.event_bytes += len(data)
         # find, not `in`, for every event: see dataplane.streaming.sse.
-        if (
-            data.find(b'"usage"') >= 0
-            and data.find(b'"usage":null') < 0
-            and data.find(b'"usage": null') < 0
-        ):
-            obj = jsonio.loads_or_none(data)
-            found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
-            if found is not None:
-                self.usage = found
+        if data.find(b'"usage"') < 0:
+            self._keyless = data
+        else:
+            self._keyless = None
+            if data.find(b'"usage":null') < 0 and data.find(b'"usage": null') < 0:
+                obj = jsonio.loads_or_none(data)
+                found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
+                if found is not None:
+                    self.usage = found
         # Whether it has text (_CONTENT, then _TEXT), inline: this runs for
         # every event. 0x22 is the closing quote of an empty string.
         end = data.find(_CONTENT) + len(_CONTENT)
@@ -378,6 +389,15 @@ class UsageCounter:
                 finishes += reasons
             if reasons and finished is not None:
                 finished.update(_finished_choices(data))
+
+    def unasked(self, data: bytes) -> bytes | None:
+        """`for_unasked(data)`, a Trim: for the event this counter was given
+        last (the relay gives its readers an event before its trim), without
+        a second search for a usage key it has none of; any other data is
+        searched as for_unasked searches it."""
+        if data is self._keyless:
+            return data
+        return for_unasked(data)
 
     def result(self, prompt_estimate: int) -> Usage:
         """The origin's own count if it sent one (as it sent it: `believed`

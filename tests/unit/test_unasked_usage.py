@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dataplane.streaming.relay import relay
-from dataplane.streaming.sse import SseParser
+from dataplane.streaming.sse import Event, SseParser
 from dataplane.streaming.usage import (
     UsageCounter,
     for_unasked,
@@ -84,6 +84,20 @@ def test_for_unasked() -> None:
     assert for_unasked(finishing) is finishing
 
 
+def test_the_counters_trim_is_for_unasked() -> None:
+    # Of the event it counted last without searching it again, of any
+    # other data as for_unasked makes it.
+    plain, usage = chunk(choices=CHOICE), chunk(choices=[], usage=USAGE)
+    datas = [plain, usage, chunk(choices=CHOICE, usage=None), chunk(choices=CHOICE, usage=USAGE)]
+    counter = UsageCounter()
+    for data, other in itertools.product(datas, datas):
+        counter.event(Event(data))
+        assert counter.unasked(data) == for_unasked(data)
+        assert counter.unasked(bytes(bytearray(other))) == for_unasked(other)
+    counter.event(Event(plain))
+    assert counter.unasked(usage) is None
+
+
 class Out:
     """The client's stream: what was written to it."""
 
@@ -142,7 +156,7 @@ async def test_the_relays_keep_the_usage_from_the_client_and_count_by_it(
             Content(*chunks[1:]),
             out,
             readers=[counter],
-            trim=for_unasked,
+            trim=counter.unasked,  # as the pipeline trims
             resume=never if resume else None,
         )
         assert end_.complete, chunks
