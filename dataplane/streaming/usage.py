@@ -365,6 +365,11 @@ class UsageCounter:
     def event(self, ev: Event) -> None:
         data = ev.data
         self.event_bytes += len(data)
+        if ev.done and not ev.name:
+            # `[DONE]`, every stream's last event: no usage, no text, no
+            # error, no finish; its bytes count, as any event's.
+            self._keyless = data
+            return
         # find, not `in`, for every event: see dataplane.streaming.sse.
         if data.find(b'"usage"') < 0:
             self._keyless = data

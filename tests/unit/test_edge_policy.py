@@ -530,6 +530,13 @@ def test_an_empty_content_string_is_not_generated_text() -> None:
     assert tap_all(stream, []).result(prompt_estimate=5) == Usage(5, 3)
 
 
+def test_done_counts_its_bytes_alone_unless_named_error() -> None:
+    tap = tap_all(b"data: [DONE]\n\ndata:  [DONE] \n\n", [])
+    assert (tap.event_bytes, tap.content_events, tap.error_event) == (14, 0, False)
+    named = tap_all(b"event: error\ndata: [DONE]\n\n", [])
+    assert (named.event_bytes, named.error_event) == (6, True)
+
+
 def test_usage_null_is_ignored_in_both_spellings() -> None:
     stream = sse(
         '{"choices":[{"delta":{"content":"a"}}],"usage":null}',
