@@ -196,8 +196,10 @@ def names_twice(raw: bytes, names: tuple[str, ...]) -> bool:
     tool's schema with a property named `model`, or a message that says
     "model", is no duplicate, and the body goes byte for byte (review 37)."""
     # A backslash first: a search for one byte is memchr's (0.2 us a 16 KB
-    # body), where one for `\u` took 14 us.
-    escaped = b"\\" in raw and _ESCAPED_NAME_CHAR.search(raw) is not None
+    # body), where one for `\u` took 14 us. `find`, not `in`: on Python 3.11
+    # `needle in raw` first tries the needle as a byte's value and makes and
+    # clears a TypeError, some 1,100 instructions more (every request).
+    escaped = raw.find(b"\\") >= 0 and _ESCAPED_NAME_CHAR.search(raw) is not None
     if not escaped:
         for name in names:  # a loop: a generator costs more than the one or two names
             if raw.count(b'"%s"' % name.encode()) >= 2:
