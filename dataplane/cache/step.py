@@ -281,6 +281,9 @@ class EdgeCache:
     ) -> None:
         self.store = store
         self.region = store if isinstance(store, RegionalStore) else None
+        # This proxy's own store when it is the only tier: asked by plain
+        # calls (its `*_now`), not the protocol's coroutines, which never wait.
+        self._local = store if isinstance(store, ExactStore) else None
         self._region_wait = region_wait_s
         # The embedding model costs memory and start-up time: it is loaded (off
         # the event loop) only once a tenant turns semantic caching on.
@@ -399,7 +402,12 @@ class EdgeCache:
         # answer, or when a semantic tenant's request was matched exactly only.
         miss = decision.reason.value if decision.reason is _TOOLS else ""
         if decision.lookup:
-            hit = await self.store.lookup(key, tenant=tenant, model=model)
+            local = self._local
+            hit = (
+                local.lookup_now(key)
+                if local is not None
+                else await self.store.lookup(key, tenant=tenant, model=model)
+            )
             if isinstance(hit, Found) and self._accepts(cc, hit, policy.ttl_s):
                 if hit.entry.answers(include_usage=wants_usage):
                     return self._hit(hit, "exact", include_usage)
@@ -630,7 +638,10 @@ class EdgeCache:
         flight (`finish_flight`). Without an entry there is nothing to keep:
         the caller may call `finish_flight` alone, without this coroutine."""
         if entry is not None:  # else _keep keeps nothing: no coroutine for it
-            await self._keep(req, plan, entry)
+            if self._local is not None:
+                self._keep_now(self._local, req, plan, entry)
+            else:
+                await self._keep(req, plan, entry)
         self.finish_flight(plan, entry)
 
     @staticmethod
@@ -671,7 +682,10 @@ class EdgeCache:
                     plan.unkept = unkept_reason(recorder.reason, too_large=recorder.too_large)
                 self._metrics.cache_unkept.add(plan.unkept)
             self._foresee(plan.key, plan.unkept, kept=entry is not None)
-        await self._keep(req, plan, entry)
+        if self._local is not None:
+            self._keep_now(self._local, req, plan, entry)
+        else:
+            await self._keep(req, plan, entry)
         if plan.leader is not None:
             if end.complete:
                 plan.leader.finish(entry)
@@ -700,15 +714,48 @@ class EdgeCache:
             # A purge arrived while the origin answered: the answer may be what
             # the purge was for, and the region would serve it for its whole TTL.
             return
-        model = req.body["model"]
         stored = await self.store.put(
-            plan.key, entry, tenant=req.tenant.name, model=model, ttl_s=req.tenant.cache.ttl_s
+            plan.key,
+            entry,
+            tenant=req.tenant.name,
+            model=req.body["model"],
+            ttl_s=req.tenant.cache.ttl_s,
         )
-        semantic = self.semantic
-        if plan.neighbour is not None and semantic is not None:
+        if self.semantic is not None:
+            self._semantic_kept(self.semantic, req, plan, entry, stored)
+
+    def _keep_now(
+        self, local: ExactStore, req: CacheRequest, plan: CachePlan, entry: CachedResponse | None
+    ) -> None:
+        """`_keep`'s steps for this proxy's own store, the only tier: by plain
+        calls, as it never waits. Twins kept for speed: change both."""
+        if entry is None or plan.purge_mark != self._purged_to:  # see _keep
+            return
+        stored = local.put_now(
+            plan.key,
+            entry,
+            tenant=req.tenant.name,
+            model=req.body["model"],
+            ttl_s=req.tenant.cache.ttl_s,
+        )
+        if self.semantic is not None:
+            self._semantic_kept(self.semantic, req, plan, entry, stored)
+
+    def _semantic_kept(
+        self,
+        semantic: SemanticLayer,
+        req: CacheRequest,
+        plan: CachePlan,
+        entry: CachedResponse,
+        stored: bool,
+    ) -> None:
+        """After `entry` was put (`stored`: the store took it): its check
+        against the neighbour the plan found, and its indexing, off the request."""
+        model = req.body["model"]
+        if plan.neighbour is not None:
             near, cached_entry = plan.neighbour
             self._after(self._check(semantic, near, cached_entry, entry))
-        if stored and plan.text and semantic is not None and not holds_tool_calls(entry):
+        if stored and plan.text and not holds_tool_calls(entry):
             # Not an answer that calls a tool (a request without tools may
             # get one, from tools the origin adds): an action answers its own
             # question only, exactly (policy.Reason.TOOLS).

@@ -1090,20 +1090,20 @@ async def test_an_answer_leaves_before_the_work_after_it(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Keeping the answer in the cache (then settling its admission, the metrics,
-    # the access log) is not in the client's wait: with the cache's put held,
-    # the client has its whole answer; once the put goes on, nothing was lost.
-    store = stack.app[PIPELINE].cache.store
-    put = store.put
+    # the access log) is not in the client's wait: with the cache's settling
+    # held, the client has its whole answer; once it goes on, nothing was lost.
+    cache = stack.app[PIPELINE].cache
+    settle = cache.settle_body
     gate, kept = asyncio.Event(), asyncio.Event()
 
-    async def held_put(*args: Any, **kwargs: Any) -> bool:
+    async def held_settle(*args: Any, **kwargs: Any) -> None:
         await gate.wait()
         try:
-            return await put(*args, **kwargs)
+            await settle(*args, **kwargs)
         finally:
             kept.set()
 
-    monkeypatch.setattr(store, "put", held_put)
+    monkeypatch.setattr(cache, "settle_body", held_settle)
     async with asyncio.timeout(10):  # the old order waited for the put: it never came
         first = await stack.post(chat("kept after it left"))
         assert first.status == 200 and first.headers["x-ponto-cache"] == "miss"
