@@ -140,10 +140,11 @@ def _format_ms(ms: int) -> str:
     return text
 
 
-# A bucket's remaining and reset headers (the last two), after what they are
-# made of: its level, capacity and rate, its scope's fraction and the limit
-# (RateLimiter.headers). The unknown wait is the limiter's, fixed.
-_Shown = tuple[float, float, float, float, int, tuple[str, str], tuple[str, str]]
+# A bucket's remaining and reset headers (the last two), after the level they
+# were made of (RateLimiter.headers). The rest they are made of, the bucket's
+# capacity and rate, its scope's fraction and limit, changes only in
+# _Scope.set_limits, which forgets them; the unknown wait is the limiter's, fixed.
+_Shown = tuple[float, tuple[str, str], tuple[str, str]]
 
 # The weight of each answer in a scope's expected completion (_Scope.completion).
 COMPLETION_WEIGHT = 0.2
@@ -284,7 +285,9 @@ class _Scope:
         self.req_limit = (_LIMIT_REQ, str(limits.rpm))
         self.tok_limit = (_LIMIT_TOK, str(limits.tpm))
         # The remaining and reset headers `headers` last made of each bucket,
-        # with what they were made of (_Shown).
+        # with the level they were made of (_Shown): forgotten here, where
+        # everything else they are made of changes (the buckets' capacity and
+        # rate, resized below, the fraction and the limits).
         self.req_shown: _Shown | None = None
         self.tok_shown: _Shown | None = None
         # The smallest of the scope's token limits, and which: a prompt past
@@ -1239,61 +1242,32 @@ class RateLimiter:
         # (refilled to `now` above) is full; with no share yet (rate 0) the
         # share comes with the next rebalance.
         out: list[tuple[str, str]]
-        # Both are made again only when what they are made of changed: a
-        # bucket far from its limit is full again at each request and shows
-        # the same two (some 4,000 instructions a dimension then); the level
-        # is compared first, as the one that changes.
-        unknown = self._unknown_retry_s
+        # Both are made again only when the level they were made of changed
+        # (_Shown: the rest changes only where they are forgotten): a bucket
+        # far from its limit is full again at each request and shows the same
+        # two (some 4,000 instructions a dimension then).
         if req is not None and req_st is not None:
-            limit = req_st.limits.rpm
             m = req_st.req_shown
-            if not (
-                m is not None
-                and m[0] == req.level
-                and m[1] == req.capacity
-                and m[2] == req.rate
-                and m[3] == req_st.fraction
-                and m[4] == limit
-            ):
+            if m is None or m[0] != req.level:
+                limit = req_st.limits.rpm
                 shown = (
                     "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
                 )
-                m = req_st.req_shown = (
-                    req.level,
-                    req.capacity,
-                    req.rate,
-                    req_st.fraction,
-                    limit,
-                    (_REMAINING_REQ, shown),
-                    (_RESET_REQ, format_duration(_reset(req, limit, unknown))),
-                )
-            out = [req_st.req_limit, m[5], m[6]]
+                reset = format_duration(_reset(req, limit, self._unknown_retry_s))
+                m = req_st.req_shown = (req.level, (_REMAINING_REQ, shown), (_RESET_REQ, reset))
+            out = [req_st.req_limit, m[1], m[2]]
         else:
             out = []
         if tok is not None and tok_st is not None:
-            limit = tok_st.limits.tpm
             m = tok_st.tok_shown
-            if not (
-                m is not None
-                and m[0] == tok.level
-                and m[1] == tok.capacity
-                and m[2] == tok.rate
-                and m[3] == tok_st.fraction
-                and m[4] == limit
-            ):
+            if m is None or m[0] != tok.level:
+                limit = tok_st.limits.tpm
                 shown = (
                     "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
                 )
-                m = tok_st.tok_shown = (
-                    tok.level,
-                    tok.capacity,
-                    tok.rate,
-                    tok_st.fraction,
-                    limit,
-                    (_REMAINING_TOK, shown),
-                    (_RESET_TOK, format_duration(_reset(tok, limit, unknown))),
-                )
-            out += (tok_st.tok_limit, m[5], m[6])
+                reset = format_duration(_reset(tok, limit, self._unknown_retry_s))
+                m = tok_st.tok_shown = (tok.level, (_REMAINING_TOK, shown), (_RESET_TOK, reset))
+            out += (tok_st.tok_limit, m[1], m[2])
         if refusal is not None and not refusal.ok and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
