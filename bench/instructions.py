@@ -20,9 +20,14 @@ imports and the first table are not counted), one at a time:
 - passthrough: bench/passthrough.py in front of nginx (the floor);
 - defaults: ponto-proxy with bench.compare's PONTO_ARGS and nothing configured
   (every request an exact-cache lookup that misses, nothing stored);
-- features: a new ponto-proxy after bench.compare.configure_ponto_features:
+- features: a new ponto-proxy, then bench.compare.configure_ponto_features:
   API-key auth, rate limits (not binding) and the exact cache (each lookup
-  misses and the answer is stored).
+  misses and the answer is stored). Configured after the proxy's start, so
+  that its limited scopes are new to it and their buckets start full, as a
+  limit far from binding keeps them: scopes in a proxy's first table start
+  empty and fill in a minute (ratelimit.limiter), and a counted window in
+  that minute remade every request's remaining and reset headers, some
+  13,000 instructions a request, more of the window the slower valgrind ran.
 
 How it counts: a plain client on CPU 1 (http.client, one keep-alive
 connection, one request at a time) sends `--warmup` requests, then turns
@@ -363,11 +368,10 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Count]:
                     target = windows(args, f"http://{server.address}/v1", by_path=True)
                     headers: Header = ()
                 else:
-                    if name == "features":
-                        headers, _ = configure_ponto_features(fleet, "auth-limits-cache")
-                    else:
-                        headers = ()
                     server = start_proxy(fleet, f"proxy-{name}", out, 1 + len(streams))
+                    headers = ()
+                    if name == "features":  # after the start: see the module
+                        headers, _ = configure_ponto_features(fleet, "auth-limits-cache")
                     target = windows(args, fleet.proxy_url(f"proxy-{name}"), by_path=False)
                 print(f"{name}: started; {args.warmup} + {args.requests} requests a window",
                       file=sys.stderr)  # fmt: skip
