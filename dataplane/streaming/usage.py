@@ -123,11 +123,6 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-def _count(value: object) -> bool:
-    """Whether an origin's figure can be a count of tokens."""
-    return type(value) is int and value >= 0
-
-
 def _from_usage(obj: object) -> Usage | None:
     """The origin's `usage` object read, None when it has no prompt count;
     one whose counts cannot be counts (negative, not integers: trial 65's
@@ -142,13 +137,17 @@ def _from_usage(obj: object) -> Usage | None:
         details = obj.get("input_tokens_details")
     if prompt is None or completion is None:
         return None  # not said: the proxy counts, as without usage
-    if not _count(prompt) or not _count(completion):
+    # A figure that can be a count of tokens is an int (not a bool) of 0 or
+    # more: tested in place, not by a call each (every answer's usage).
+    if type(prompt) is not int or prompt < 0 or type(completion) is not int or completion < 0:
         return Usage(rejected=INVALID)
-    assert isinstance(prompt, int) and isinstance(completion, int)  # _count
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt:
+    if cached is not None and (
+        not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt
+    ):
         cached = None
-    return Usage(prompt, completion, exact=True, cached_tokens=cached)
+    # Positional (prompt, completion, exact, cached_tokens): keywords cost the call more.
+    return Usage(prompt, completion, True, cached)
 
 
 # Why the proxy did not believe an origin's count (the `reason` of
