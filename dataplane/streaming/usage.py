@@ -207,7 +207,9 @@ def ceilings(
     media = sum(raw.count(marker) for marker in _MEDIA_MARKERS)
     prompt = 2 * (len(raw) + 4 * prompt_estimate + continued_bytes) + PROMPT_SLACK
     prompt += media * MEDIA_TOKENS
-    if continues_stored(endpoint, body) or any(m in raw for m in _LONG_MEDIA_MARKERS):
+    # find, not in: on Python 3.11 `marker in raw` first tries the marker as a
+    # byte's value and makes and clears a TypeError, some 1,100 instructions more.
+    if continues_stored(endpoint, body) or any(raw.find(m) >= 0 for m in _LONG_MEDIA_MARKERS):
         prompt += STORED_CONTEXT
     elif endpoint == "responses" and body.get("tools"):
         # Hosted tools (web search, file search, MCP) add their results to
