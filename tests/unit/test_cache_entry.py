@@ -171,6 +171,7 @@ def test_recording_does_not_depend_on_how_bytes_are_split(cuts: list[int]) -> No
     assert whole.chunks is not None and len(whole.chunks) == 5
     # The two-line payload is stored as one compact line.
     assert orjson.loads(whole.chunks[2])["choices"][0]["delta"] == {"content": "!"}
+    assert b"\n" not in whole.chunks[2]
 
 
 @given(data=st.data())
