@@ -791,7 +791,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["affinity", "least-loaded", "weighted", "default"],
         help="how requests pick a replica inside a region: affinity (sessions and shared "
         "prefixes stay on one replica, within a load bound), least-loaded, or weighted; "
-        "default: affinity for chat and completions, least-loaded for embeddings",
+        "default: affinity for chat and completions, least-loaded for embeddings and rerank",
     )
     ts.add_argument(
         "--model-routing",

@@ -291,7 +291,14 @@ def check_url(url: str) -> str:
 
 # The paths the proxy adds to an origin's base URL (dataplane.http.endpoints):
 # a base URL that already ends with one would call .../chat/completions/chat/completions.
-ENDPOINT_PATHS = ("/chat/completions", "/completions", "/embeddings", "/responses", "/models")
+ENDPOINT_PATHS = (
+    "/chat/completions",
+    "/completions",
+    "/embeddings",
+    "/rerank",
+    "/responses",
+    "/models",
+)
 
 
 def url_warnings(origin: Origin) -> tuple[str, ...]:
@@ -867,7 +874,7 @@ class CachePolicy:
 class RoutingPolicy:
     """How a tenant's requests pick a replica inside a region (docs/routing.md)."""
 
-    mode: str = ""  # "": affinity for chat and completions, least-loaded for embeddings
+    mode: str = ""  # "": affinity for chat and completions, least-loaded for embeddings, rerank
     models: tuple[tuple[str, str], ...] = ()  # (model, mode) overrides
     user_sessions: bool = False
     load_bound: float = 0.0  # 0: the proxy's default (1.25)

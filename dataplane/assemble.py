@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 from dataplane.http.errors import bad_request
 from dataplane.http.fields import default_applies
+from dataplane.ratelimit.tokens import NO_COMPLETION
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -144,7 +145,7 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
         body["max_tokens"] = min(numbers) if numbers else given[0]
         changed = added = True
     ceiling = rules.max_tokens_ceiling
-    if ceiling and endpoint != "embeddings":
+    if ceiling and endpoint not in NO_COMPLETION:
         present = False
         fields = RESPONSES_TOKEN_FIELDS if endpoint == "responses" else TOKEN_FIELDS
         for name in fields:
@@ -175,7 +176,7 @@ def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:
     names: tuple[str, ...] = ("model",)
     if rules.system_prompt:
         names += ("instructions", "input") if endpoint == "responses" else ("messages",)
-    if rules.max_tokens_ceiling and endpoint != "embeddings":
+    if rules.max_tokens_ceiling and endpoint not in NO_COMPLETION:
         names += RESPONSES_TOKEN_FIELDS if endpoint == "responses" else TOKEN_FIELDS
     return names
 

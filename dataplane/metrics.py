@@ -85,14 +85,19 @@ GENAI_CHUNK_GAP_BUCKETS = (
 # a whole answer's body): whole answers of long generations take minutes.
 COMMIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # gen_ai.operation.name of each proxied endpoint (OpenTelemetry's well-known
-# values); the Responses API generates as chat does.
+# values); the Responses API generates as chat does. Rerank has no well-known
+# value: its own name, which the conventions allow for an operation they lack.
 GENAI_OPERATIONS = {
     "chat.completions": "chat",
     "completions": "text_completion",
     "embeddings": "embeddings",
     "responses": "chat",
+    "rerank": "rerank",
 }
 EMBEDDINGS = GENAI_OPERATIONS["embeddings"]
+RERANK = GENAI_OPERATIONS["rerank"]
+# Operations whose answers generate nothing: input tokens only.
+INPUT_ONLY = frozenset({EMBEDDINGS, RERANK})
 # gen_ai.provider.name, which the conventions require on every GenAI metric:
 # the API every origin speaks, OpenAI's.
 GENAI_PROVIDER = "openai"
@@ -1052,8 +1057,8 @@ class Metrics:
         output chunks after the first (`chunk_gap_s`: once per stream, not per
         chunk; None when there is none to give), and the input and output
         tokens an origin reported or the proxy counted (`usage`; None for answers
-        no origin produced, such as cache hits and refusals). Embeddings have
-        input tokens only (the conventions' gen_ai.client.token.usage).
+        no origin produced, such as cache hits and refusals). Embeddings and
+        rerank have input tokens only (the conventions' gen_ai.client.token.usage).
         `refused`: the proxy refused it itself, no origin called (counted in
         `self.refused` too, by region). `excused`: origins were called and
         it failed for its client's doing (counted in `self.excused`, by
@@ -1090,7 +1095,7 @@ class Metrics:
                 cells = self._tokens_of[(operation, model, region)] = (
                     tokens.labels(operation, provider, model, "input", region),
                     None
-                    if operation == EMBEDDINGS
+                    if operation in INPUT_ONLY
                     else tokens.labels(operation, provider, model, "output", region),
                 )
             prompt, cell = usage.prompt_tokens, cells[0]

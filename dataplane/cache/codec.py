@@ -33,7 +33,9 @@ from dataplane.cache.entry import CachedResponse, ResponseKind
 
 MAGIC = b"PX"
 VERSION = 1
-_KINDS = (ResponseKind.CHAT, ResponseKind.TEXT, ResponseKind.EMBEDDINGS)
+# Appended to, never reordered: a kind's code is its index, in entries other
+# proxies' versions wrote to the region's Redis.
+_KINDS = (ResponseKind.CHAT, ResponseKind.TEXT, ResponseKind.EMBEDDINGS, ResponseKind.RERANK)
 _KIND_CODES = {kind: code for code, kind in enumerate(_KINDS)}
 _STREAMED = 0x01
 _USAGE_MISSING = 0x02

@@ -72,11 +72,13 @@ class ResponseKind(enum.StrEnum):
     CHAT = "chat"  # chat.completion / chat.completion.chunk
     TEXT = "text"  # text_completion (legacy completions)
     EMBEDDINGS = "embeddings"  # object "list" of embeddings
+    RERANK = "rerank"  # a ranking's `results` (Jina's and Cohere's rerank API)
 
 
 # Read per answer: an enum member read through its class costs some 1,000
 # instructions on Python 3.11 (see dataplane.cache.policy.decide).
 _CHAT, _TEXT, _EMBEDDINGS = ResponseKind.CHAT, ResponseKind.TEXT, ResponseKind.EMBEDDINGS
+_RERANK = ResponseKind.RERANK
 
 
 # Not frozen, though never changed once made: a frozen dataclass sets each
@@ -225,7 +227,7 @@ def judge_completion(
     kind = _body_kind(obj)
     if kind is None:
         return None, None
-    if kind is not _EMBEDDINGS:
+    if kind is _CHAT or kind is _TEXT:
         reasons = []
         for choice in obj["choices"]:
             if not isinstance(choice, dict):
@@ -252,6 +254,8 @@ def _body_kind(obj: dict[str, Any]) -> ResponseKind | None:
         return None
     if obj.get("object") == "list" and isinstance(obj.get("data"), list):
         return _EMBEDDINGS
+    if isinstance(obj.get("results"), list):
+        return _RERANK
     return None
 
 
@@ -651,8 +655,8 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
     A stored stream replays its own chunks. A stored body becomes, per choice, a
     role chunk, the content in several pieces (in one piece with its logprobs
     when it has any), other message fields, each tool call whole, and a finish
-    chunk; then the usage chunk. Raises ValueError for embeddings, which have no
-    streamed form."""
+    chunk; then the usage chunk. Raises ValueError for embeddings and rerank,
+    which have no streamed form."""
     if entry.chunks is not None:
         chunks: Iterable[bytes] = entry.chunks
         if not include_usage:
@@ -665,8 +669,8 @@ def to_sse_chunks(entry: CachedResponse, *, include_usage: bool) -> list[bytes]:
         replay.append(DONE_FRAME)
         return replay
     assert entry.body is not None
-    if entry.kind is ResponseKind.EMBEDDINGS:
-        raise ValueError("an embeddings answer cannot be streamed")
+    if entry.kind is ResponseKind.EMBEDDINGS or entry.kind is ResponseKind.RERANK:
+        raise ValueError(f"an {entry.kind} answer cannot be streamed")
     obj: dict[str, Any] = jsonio.loads(entry.body)
     chat = entry.kind is ResponseKind.CHAT
     base: dict[str, Any] = {

@@ -15,9 +15,10 @@ What goes into a key (see `canonical_request`):
   its tabs (TSV data), a text of several lines with its line structure and
   indentation kept, for they can
   change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
-  tool results and non-text parts are kept exactly. Completion prompts and
-  embedding inputs are kept exactly too: a raw prompt's trailing whitespace
-  changes its tokens, and an embedding is of the exact text.
+  tool results and non-text parts are kept exactly. Completion prompts,
+  embedding inputs and a rerank's query and documents are kept exactly too: a
+  raw prompt's trailing whitespace changes its tokens, and an embedding or a
+  relevance score is of the exact text.
 
 The canonical form is JSON with sorted keys and no whitespace, where a float that
 holds an integer is written as that integer (0 == 0.0, 1 == 1.0, as JSON means
@@ -60,6 +61,7 @@ KEY_VERSION = 5
 CHAT = "chat.completions"
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
+RERANK = "rerank"
 
 # Body parameters that never change the content of the answer. Everything else
 # is part of the key. `stream`/`stream_options` only change the framing (a

@@ -13,13 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS
+from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS, RERANK
 
 # Not "responses": a Responses request is stateful on the origin (stored by
 # default, `store`; continued by `previous_response_id`), and its answer's id
 # names what the origin stored, so a copy would hand a client an id the origin
 # holds for another request, and a hit would leave nothing stored.
-CACHEABLE_ENDPOINTS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+CACHEABLE_ENDPOINTS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS, RERANK})
+# Answered by a model that samples nothing: the same request, the same answer.
+_DETERMINISTIC = frozenset({EMBEDDINGS, RERANK})
 
 
 class CacheMode(enum.StrEnum):
@@ -191,8 +193,9 @@ class Decision:
 
 
 def is_deterministic(endpoint: str, body: Mapping[str, Any]) -> bool:
-    """Embeddings always; completions with temperature 0 or an integer seed."""
-    if endpoint == EMBEDDINGS:
+    """Embeddings and rerank always; completions with temperature 0 or an
+    integer seed."""
+    if endpoint in _DETERMINISTIC:
         return True
     temperature = body.get("temperature")
     if _is_number(temperature) and temperature == 0:

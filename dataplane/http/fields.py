@@ -3,7 +3,7 @@
 A request an origin would refuse is refused here, with OpenAI's status,
 wording and codes, so a bad request costs no origin call and no rate-limit
 token. The rules are tables built once at import (one per endpoint: chat
-completions, completions, embeddings, responses); a request costs one pass
+completions, completions, embeddings, responses, rerank); a request costs one pass
 over its own fields. Error paths (`param`) are those of the body as the
 client sent it, so they must be checked before assembly injects anything.
 
@@ -51,6 +51,9 @@ MAX_METADATA_KEYS: Final = 16
 MAX_METADATA_KEY_CHARS: Final = 64
 MAX_METADATA_VALUE_CHARS: Final = 512
 MAX_EMBEDDING_INPUTS: Final = 2048
+# Cohere's rerank API takes at most 10,000 documents a request; vLLM sets no
+# bound, and a larger batch is a client's mistake more than a use.
+MAX_RERANK_DOCUMENTS: Final = 10_000
 _INT64: Final = 2**63
 # Deeper than any real request: a tool's JSON schema nested 25 levels is about
 # 55 here, and OpenAI's own limit for schemas is far lower. Well under the 254
@@ -1048,12 +1051,35 @@ def _stream_options_need_stream(body: dict[str, Any], stream: bool) -> None:
         raise invalid_value("stream_options", "only allowed when 'stream' is true")
 
 
-def _no_stream(body: dict[str, Any], stream: bool) -> None:
-    """Embeddings: one whole answer, which OpenAI's API has no stream of (its
-    `stream` is no field there); a streamed one reached the origin and failed
-    in the proxy as a 500 (trial 21). `"stream": false` asks for what it gets."""
-    if stream:
-        raise invalid_value("stream", "embeddings cannot be streamed; leave 'stream' out")
+def _no_stream(what: str) -> Cross:
+    """Embeddings and rerank: one whole answer, which their APIs have no
+    stream of (`stream` is no field there); a streamed one reached the origin
+    and failed in the proxy as a 500 (trial 21). `"stream": false` asks for
+    what it gets."""
+
+    def cross(body: dict[str, Any], stream: bool) -> None:
+        if stream:
+            raise invalid_value("stream", f"{what} cannot be streamed; leave 'stream' out")
+
+    return cross
+
+
+_EACH_DOCUMENT = array(
+    string(), expected="an array of strings", max_len=MAX_RERANK_DOCUMENTS, non_empty=True
+)
+
+
+def _documents(value: Any) -> None:
+    """Rerank's `documents`: a non-empty array of strings, checked at C speed
+    and item by item only to name a wrong one. Not Jina's and Cohere v1's
+    `{"text": ...}` objects: vLLM refuses them (its documents are strings, or
+    one multimodal `{"content": [...]}` object, which this text gateway does
+    not rank), so they would only reach an origin for its 400."""
+    if isinstance(value, list) and value and set(map(type, value)) == {str}:
+        if len(value) > MAX_RERANK_DOCUMENTS:
+            raise _too_long("array", MAX_RERANK_DOCUMENTS, len(value))
+        return
+    _EACH_DOCUMENT(value)
 
 
 def _top_logprobs_need_logprobs(body: dict[str, Any], stream: bool) -> None:
@@ -1229,7 +1255,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "dimensions": integer(1, MAX_INT),
             "user": KEY_STRING,
         },
-        (_no_stream,),
+        (_no_stream("embeddings"),),
     ),
     "responses": Rules(
         ("model",),
@@ -1275,6 +1301,24 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             _input_unless_the_origin_holds_it,
             _previous_response_or_conversation,
         ),
+    ),
+    # Rerank (Jina's and Cohere's API, as vLLM and llama.cpp serve it): no
+    # sampling, no generation. vLLM takes a `top_n` of 0 (or less) for every
+    # document; Jina's and Cohere's APIs take 1 and more, as the proxy does.
+    "rerank": Rules(
+        ("model", "query", "documents"),
+        {
+            "model": COMMON["model"],
+            "query": string(non_empty=True),
+            "documents": _documents,
+            "top_n": integer(1, MAX_INT),
+            "return_documents": boolean,
+            "max_tokens_per_doc": integer(1, MAX_INT),  # Cohere v2's
+            # Not vLLM's `truncate_prompt_tokens`: its embeddings and
+            # completions take it too, and a field one endpoint documents is
+            # no longer a tenant default for the others (default_applies).
+        },
+        (_no_stream("rerank"),),
     ),
 }
 

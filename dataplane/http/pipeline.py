@@ -101,6 +101,7 @@ from dataplane.streaming.usage import (
     asks_usage,
     believed,
     ceilings,
+    rerank_usage_of,
     usage_of,
     with_usage_asked,
     within_floors,
@@ -140,6 +141,12 @@ ENDPOINTS = {
         Endpoint("chat.completions", "/chat/completions", "messages"),
         Endpoint("completions", "/completions", "prompt"),
         Endpoint("embeddings", "/embeddings", "input"),
+        # Jina's and Cohere's rerank API, as vLLM and llama.cpp serve it at
+        # /v1/rerank: proxied like embeddings (no stream, no completion).
+        # Not vLLM's unversioned /rerank nor Cohere v2's /v2/rerank: every
+        # endpoint here is its path under an origin's base URL (…/v1), and
+        # the 404 of /rerank names /v1/rerank for it.
+        Endpoint("rerank", "/rerank", "query"),
         # OpenAI's Responses API, proxied like chat. Never cached (see
         # dataplane.cache.policy) and never continued (dataplane.http.resume).
         # Its `input` may be left out for a stored prompt or a conversation.
@@ -678,8 +685,7 @@ class Pipeline:
         if not admission.ok:
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
             self.metrics.limit_refusal(ex.principal.tenant, limit)
-            embeddings = ex.endpoint.name == "embeddings"
-            raise refusal(admission, embedding_inputs(ex.body.get("input")) if embeddings else 0)
+            raise refusal(admission, *batch_of(ex))
         ex.admission = admission
 
     async def answer(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
@@ -1004,9 +1010,8 @@ class Pipeline:
             if not parsed:
                 obj = jsonio.loads_or_none(body)
             # A whole answer's completion estimate: about four bytes a token.
-            ex.usage = self.believe(
-                ex, origin.target.name, usage_of(obj), len(body), len(body) // 4
-            )
+            read = rerank_usage_of if ex.endpoint.name == "rerank" else usage_of
+            ex.usage = self.believe(ex, origin.target.name, read(obj), len(body), len(body) // 4)
         elif origin.status >= 400:
             # An error answer is no answer: nothing is charged, the prompt's
             # estimate is given back as for a cache hit, whatever an origin
@@ -1643,27 +1648,49 @@ async def admit_when_slot_frees(
     return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most)
 
 
-def refusal(admission: Admission, inputs: int = 0) -> ApiError:
+def batch_of(ex: Exchange) -> tuple[int, str]:
+    """A batch request's items and what they are, for `refusal`: an
+    embeddings request's inputs, a rerank request's documents; (0, "") for
+    any other request."""
+    name = ex.endpoint.name
+    if name == "embeddings":
+        return embedding_inputs(ex.body.get("input")), "inputs"
+    if name == "rerank":
+        return len(ex.body["documents"]), "documents"
+    return 0, ""
+
+
+def refusal(admission: Admission, inputs: int = 0, items: str = "inputs") -> ApiError:
     """429 in OpenAI's words, or 400 for a request no wait could admit. The
     message says when to try again as the reset header does (`retry_in`);
-    `Retry-After` is that wait in whole seconds, rounded up. `inputs`: an
-    embeddings request's inputs (0: another endpoint's request), whose 400
+    `Retry-After` is that wait in whole seconds, rounded up. `inputs`: a
+    batch request's `items` (batch_of: an embeddings request's inputs, a
+    rerank request's documents; 0: another endpoint's request), whose 400
     names them and what splitting them does."""
     if admission.too_large and inputs:
         # Trial 79: a RAG app's batch of 1,000 chunks was told to shorten
         # its prompt and that max_tokens did not count: it has neither, and
         # what it can change is how many inputs it sends at once.
-        split = (
-            f"Send its {inputs} inputs in smaller batches (the openai SDK sends the list "
-            "it is given; LangChain's OpenAIEmbeddings sends chunk_size at once)"
-            if inputs > 1
-            else "Shorten the input"
-        )
+        if items == "documents":
+            split = (
+                f"Rank its {inputs} documents in smaller batches (each is read with the query)"
+                if inputs > 1
+                else "Shorten the query or the document"
+            )
+            counted = "the query counted once per document"
+        else:
+            split = (
+                f"Send its {inputs} inputs in smaller batches (the openai SDK sends the list "
+                "it is given; LangChain's OpenAIEmbeddings sends chunk_size at once)"
+                if inputs > 1
+                else "Shorten the input"
+            )
+            counted = "token ids one each"
         return ApiError(
             400,
             f"Request too large for the {_WHOLE_LIMITS[admission.limit or 'tokens']}: "
             f"its input is estimated at {admission.est_tokens} tokens (text at 4 "
-            "characters a token, token ids one each), and the limit is "
+            f"characters a token, {counted}), and the limit is "
             f"{admission.tpm}, so no wait can admit it. {split}, or ask for a higher limit.",
             code="tokens_over_limit",
         )

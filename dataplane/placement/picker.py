@@ -13,7 +13,7 @@ Three policies, chosen per tenant and model (`RoutingRules`):
   then goes to the next origin in its own ranking, which is where every proxy
   sends it, so it re-pins rather than scatters. When an origin leaves the
   table (unhealthy, drained) only its keys move, each to its next rank.
-* `least-loaded` (the default for embeddings): fewest requests per unit of
+* `least-loaded` (the default for embeddings and rerank): fewest requests per unit of
   weight first, ties broken at random.
 * `weighted`: a weighted random order (what Ponto did before).
 
@@ -71,7 +71,12 @@ class RoutingRules:
         mode = self.models.get(model) or self.mode
         if mode:
             return mode
-        return LEAST_LOADED if endpoint == "embeddings" else AFFINITY
+        # Embeddings and rerank hold no conversation whose prefix an origin
+        # caches: the least loaded answers soonest.
+        return LEAST_LOADED if endpoint in _NO_SESSIONS else AFFINITY
+
+
+_NO_SESSIONS: Final = frozenset({"embeddings", "rerank"})
 
 
 def spread(key: int, seed: int) -> int:

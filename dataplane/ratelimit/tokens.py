@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from dataplane import jsonio
 
@@ -216,11 +216,28 @@ def _responses_tokens(body: Mapping[str, Any]) -> int:
     return PER_REQUEST + tokens + ((chars + 3) >> 2)
 
 
+def _rerank_tokens(body: Mapping[str, Any]) -> int:
+    """A rerank request: every document, each with the query, which a
+    cross-encoder reads beside each one (vLLM's usage counts every pair)."""
+    query, documents = body.get("query"), body.get("documents")
+    if not isinstance(documents, list):
+        return 0
+    chars = 0
+    texts = 0
+    for document in documents:
+        if isinstance(document, str):
+            chars += len(document)
+            texts += 1
+    if isinstance(query, str):
+        chars += texts * len(query)
+    return (chars + 3) >> 2
+
+
 def estimate_prompt_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
     """Estimated prompt tokens of a parsed request body.
 
     `endpoint` is the handler's name for it: "chat.completions",
-    "completions", "embeddings" or "responses"; any other endpoint is
+    "completions", "embeddings", "rerank" or "responses"; any other endpoint is
     estimated from its `messages`, `prompt` or `input` field, whichever is
     present.
     """
@@ -232,10 +249,16 @@ def estimate_prompt_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
         return _input_tokens(body.get("prompt"))
     if endpoint == "embeddings":
         return _input_tokens(body.get("input"))
+    if endpoint == "rerank":
+        return _rerank_tokens(body)
     if "messages" in body:
         return _chat_tokens(body)
     return _input_tokens(body.get("prompt", body.get("input")))
 
+
+# Endpoints whose answers generate nothing: no completion tokens, no token
+# ceiling to add, no stream.
+NO_COMPLETION: Final = frozenset({"embeddings", "rerank"})
 
 # The fields that bound a completion, per endpoint (validated by the handler).
 _COMPLETION_FIELDS = {
@@ -247,12 +270,12 @@ _COMPLETION_FIELDS = {
 
 def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
     """The most tokens the answer's completion can come to, as the request
-    states it: 0 for embeddings (no completion); a chat's `max_completion_tokens`
+    states it: 0 for embeddings and rerank (NO_COMPLETION); a chat's `max_completion_tokens`
     or `max_tokens`, a completion's `max_tokens` or a Responses request's
     `max_output_tokens`, times its choices (`n`; a completion's `best_of` when
     larger: generated, if not returned); None when it states none (or not as
     an integer: validation is the handler's)."""
-    if endpoint == "embeddings":
+    if endpoint in NO_COMPLETION:
         return 0
     fields = _COMPLETION_FIELDS.get(endpoint)
     if fields is None:

@@ -294,6 +294,23 @@ def usage_of(obj: object) -> Usage | None:
     return _from_usage(usage)
 
 
+def rerank_usage_of(obj: object) -> Usage | None:
+    """The usage of a rerank answer parsed (usage_of's, for Jina's API):
+    vLLM's and Jina's `usage` holds only `total_tokens`, every token the
+    query and documents came to, all of them prompt (a rerank generates
+    nothing); llama.cpp's also `prompt_tokens`, read as usage_of reads it.
+    None when it has neither."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict) or "prompt_tokens" in usage:
+        return _from_usage(usage)
+    total = usage.get("total_tokens")
+    if total is None:
+        return None
+    if type(total) is not int or total < 0:  # as _from_usage tests a count
+        return Usage(rejected=INVALID)
+    return Usage(total, 0, exact=True)
+
+
 # A delta with generated text, in compact or spaced JSON: content, text,
 # tool-call arguments, Responses' deltas (response.output_text.delta and its
 # kin), and (trial 71: a cut reasoning stream was charged nothing) reasoning

@@ -59,8 +59,8 @@ from yarl import URL
 
 from dataplane import jsonio
 from dataplane.http.errors import NOT_SERVER_ERRORS
-from dataplane.metrics import EMBEDDINGS, GENAI_OPERATIONS, GENAI_PROVIDER
-from dataplane.streaming.usage import usage_of
+from dataplane.metrics import GENAI_OPERATIONS, GENAI_PROVIDER, INPUT_ONLY
+from dataplane.streaming.usage import rerank_usage_of, usage_of
 from dataplane.telemetry.config import TraceConfig, drops_roots
 from ponto.logs import Every
 
@@ -505,7 +505,7 @@ class RequestTrace:
         model = found.group(1).decode(errors="replace") if found else ""
         answer_id = ""
         finishes: tuple[bytes, ...] = ()
-        if origin.status < 400 and self.op != EMBEDDINGS:
+        if origin.status < 400 and self.op not in INPUT_ONLY:
             if origin.body is not None:
                 # A whole answer: its own members, parsed (a traced request's
                 # cost only), not the first "id" of the text (a tool call's).
@@ -591,7 +591,7 @@ class RequestTrace:
                 if usage is not None:
                     attrs["gen_ai.usage.input_tokens"] = usage[0]
                     attrs["gen_ai.usage.cache_read.input_tokens"] = usage[0]
-                    if self.op != EMBEDDINGS:
+                    if self.op not in INPUT_ONLY:
                         attrs["gen_ai.usage.output_tokens"] = usage[1]
                 elif ex.estimate:
                     # A stream recorded without usage (the client did not ask
@@ -609,7 +609,7 @@ class RequestTrace:
                 # Of them, those the origin's prefix cache held (the
                 # conventions' provider-managed cache; trial 33).
                 attrs["gen_ai.usage.cache_read.input_tokens"] = ex.usage.cached_tokens
-            if self.op != EMBEDDINGS:  # an embedding has no output tokens
+            if self.op not in INPUT_ONLY:  # nor does a ranking
                 attrs["gen_ai.usage.output_tokens"] = ex.usage.completion_tokens
             if not ex.usage.exact and ex.usage.total:
                 # The proxy's count, in whole or in part (the access log's
@@ -685,11 +685,12 @@ def _server(base_url: str) -> tuple[str | None, int | None]:
 
 def _entry_usage(entry: CachedResponse) -> tuple[int, int] | None:
     """The (input, output) tokens a cached answer's usage states, if it has one."""
+    read = rerank_usage_of if entry.kind == "rerank" else usage_of
     for raw in (entry.body,) if entry.body is not None else reversed(entry.chunks or ()):
         if b'"usage"' not in raw:
             continue
         try:
-            usage = usage_of(jsonio.loads(raw))
+            usage = read(jsonio.loads(raw))
         except jsonio.JSONDecodeError:
             continue
         if usage is not None and not usage.rejected:

@@ -1667,6 +1667,7 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
 # replaced by another origin's: comments and preamble events are small.
 MAX_HELD_BEFORE_EVENT = 64 * 1024
 RESPONSES_PATH = "/responses"
+RERANK_PATH: Final = "/rerank"
 
 
 def _whole_event_first(chunk: bytes, responses: bool) -> bool:
@@ -1893,6 +1894,31 @@ def _missing_answer(parsed: dict[str, Any], path: str, embeddings: int = 0) -> s
         if isinstance(parsed.get("output"), list) or parsed.get("object") == "response":
             return ""
         return "no output list"
+    if path == RERANK_PATH:
+        return _missing_ranking(parsed)
+    return ""
+
+
+def _missing_ranking(parsed: dict[str, Any]) -> str:
+    """What a rerank answer lacks (_missing_answer): a `results` list, each
+    result an object with an integer `index` and a numeric
+    `relevance_score`, which a client reads to pick its documents. An
+    embeddings answer or a chat completion from an origin that took the path
+    for another is none, nor is `"results": []` (a request holds at least
+    one document, and `top_n` is at least one)."""
+    results = parsed.get("results")
+    if not isinstance(results, list):
+        return "no results list"
+    if not results:
+        return "no results"
+    for result in results:
+        if not isinstance(result, dict):
+            return "a result that is no object"
+        index, score = result.get("index"), result.get("relevance_score")
+        if type(index) is not int or index < 0:
+            return "a result with no index"
+        if type(score) not in (int, float):
+            return "a result with no relevance_score"
     return ""
 
 
@@ -2002,13 +2028,15 @@ def _lacks_model(parsed: dict[str, Any], model: str) -> str | None:
 
 def _holds_answer(parsed: dict[str, Any]) -> bool:
     """Whether a 2xx body beside its `error` holds an answer: chat and
-    completions' choices or embeddings' data, not empty (review 201: `"choices":
+    completions' choices, embeddings' data or rerank's results, not empty (review 201: `"choices":
     null` passed), or a Responses object (its `error` is a member of every one,
     null unless it failed: a failed one is an answer, which the client reads
     as one)."""
     if "output" in parsed or parsed.get("object") == "response":
         return True
-    return any(isinstance(parsed.get(k), list) and parsed[k] for k in ("choices", "data"))
+    return any(
+        isinstance(parsed.get(k), list) and parsed[k] for k in ("choices", "data", "results")
+    )
 
 
 async def _not_implemented(resp: OriginResponse) -> _Retryable:

@@ -52,6 +52,15 @@ Routes:
   ``ttft_ms`` or prefill, so a test that needs one in flight sends
   ``x-sim-delay-ms`` (through a proxy, with ``--forward-headers``); any
   served model answers them, as any answers chat.
+* ``POST /v1/rerank`` -- vLLM's (Jina's and Cohere's) rerank API: a
+  ``query`` string and ``documents``, an array of strings (any other shape a
+  400, as on vLLM), answered with every document (the first ``top_n`` when
+  given and positive, as vLLM reads it), most relevant first, each with its
+  ``index``, a ``relevance_score`` in [0, 1] (``synth.relevance``: a pure
+  function of model, query and document) and, unless ``return_documents`` is
+  false, its ``document`` as ``{"text": ...}``; ``usage`` is vLLM's, only
+  ``total_tokens``: the query's words once per document plus the documents'.
+  Made at once, as embeddings are; any served model answers it.
 * ``GET /v1/responses/{id}`` (``?stream=true`` sends its events again),
   ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (a 400
   for a finished response, as vLLM and OpenAI answer one not made in the
@@ -127,6 +136,7 @@ from ponto.originsim.synth import (
     embed,
     embedding_base64,
     prefix_seeds,
+    relevance,
     starts_with,
     vocab_tail,
     words_from_seed,
@@ -139,6 +149,7 @@ __all__ = [
     "MAX_CONTINUED_WORDS",
     "MODELS_PATH",
     "MODES",
+    "RERANK_PATH",
     "RESPONSES_PATH",
     "SIM_STATE",
     "Mode",
@@ -157,6 +168,7 @@ COMPLETIONS_PATH: Final = "/v1/completions"
 EMBEDDINGS_PATH: Final = "/v1/embeddings"
 MODELS_PATH: Final = "/v1/models"
 RESPONSES_PATH: Final = "/v1/responses"
+RERANK_PATH: Final = "/v1/rerank"
 
 DEFAULT_COMPLETION_TOKENS: Final = 16
 # Bounds memory per request: the whole answer is materialised up front.
@@ -1689,6 +1701,41 @@ async def _embeddings(request: web.Request, state: SimState, body: object) -> we
     )
 
 
+async def _rerank(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
+    obj = _require_object(body)
+    model = _require_model(obj, state.config.models)
+    query, documents = obj.get("query"), obj.get("documents")
+    if not isinstance(query, str):
+        raise _ApiError(400, "'query' must be a string.", param="query")
+    if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+        raise _ApiError(400, "'documents' must be an array of strings.", param="documents")
+    top_n = obj.get("top_n")
+    if top_n is not None and type(top_n) is not int:
+        raise _ApiError(400, "'top_n' must be an integer.", param="top_n")
+    texts = cast(list[str], documents)
+    async with state.occupy(model):
+        scores = [relevance(model, query, text) for text in texts]
+    order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
+    if top_n is not None and top_n > 0:  # vLLM: 0 or less, every document
+        order = order[:top_n]
+    shown = obj.get("return_documents") is not False
+    results: list[dict[str, object]] = []
+    for i in order:
+        result: dict[str, object] = {"index": i, "relevance_score": scores[i]}
+        if shown:
+            result["document"] = {"text": texts[i]}
+        results.append(result)
+    tokens = len(texts) * len(query.split()) + sum(len(text.split()) for text in texts)
+    return _json(
+        {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": model,
+            "usage": {"total_tokens": tokens},
+            "results": results,
+        }
+    )
+
+
 async def _models(request: web.Request, state: SimState, body: object) -> web.StreamResponse:
     return _json(
         {
@@ -1877,6 +1924,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_post(COMPLETIONS_PATH, _inference(COMPLETIONS_PATH, _completions))
     app.router.add_post(EMBEDDINGS_PATH, _inference(EMBEDDINGS_PATH, _embeddings))
     app.router.add_post(RESPONSES_PATH, _inference(RESPONSES_PATH, _responses))
+    app.router.add_post(RERANK_PATH, _inference(RERANK_PATH, _rerank))
     app.router.add_get(MODELS_PATH, _inference(MODELS_PATH, _models))
     one = RESPONSES_PATH + "/{response_id}"
     app.router.add_get(one, _inference(one, _retrieve))

@@ -1,4 +1,5 @@
-"""Deterministic stand-ins for a model: token counting, generated text and embeddings.
+"""Deterministic stand-ins for a model: token counting, generated text, embeddings
+and relevance scores.
 
 Every function here is a pure function of its arguments. Hashing goes through
 SHA-256 rather than :func:`hash` so answers are identical across processes and
@@ -143,3 +144,11 @@ def embed(model: str, text: str, dimensions: int = EMBEDDING_DIM) -> list[float]
 def embedding_base64(vector: list[float]) -> str:
     """Encode ``vector`` as OpenAI's ``encoding_format="base64"`` does: little-endian float32."""
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def relevance(model: str, query: str, document: str) -> float:
+    """Return the relevance score of ``document`` to ``query`` as ``model`` ranks
+    it: the cosine of their :func:`embed` vectors taken from [-1, 1] to
+    [0, 1], as a cross-encoder's sigmoid gives it. Equal texts score 1."""
+    a, b = embed(model, query), embed(model, document)
+    return (1.0 + sum(x * y for x, y in zip(a, b, strict=True))) / 2.0

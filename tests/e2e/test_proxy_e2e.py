@@ -131,6 +131,26 @@ def test_completions_embeddings_and_models(fleet: Fleet, sims: httpx.Client) -> 
     assert sorted(m.id for m in client.models.list()) == ["sim-large", "sim-small"]
 
 
+def test_rerank_as_a_rag_apps_reranker_calls_it(fleet: Fleet, sims: httpx.Client) -> None:
+    # LangChain's and llama-index's Jina/Cohere-compatible rerankers POST
+    # {base_url}/rerank; the openai SDK has no rerank.
+    docs = ["horses eat hay", "the nearest region is us-east", "nearest region"]
+    body = {"model": "sim-small", "query": "nearest region", "documents": docs, "top_n": 2}
+    headers = {"authorization": "Bearer sk-client-secret"}
+    url = fleet.proxy_url("p-us") + "/rerank"
+    resp = httpx.post(url, json=body, headers=headers, timeout=10)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert len(answer["results"]) == 2 and answer["usage"]["total_tokens"] > 0
+    assert answer["results"][0]["index"] == 2  # the query itself ranks first
+    assert resp.headers["x-ponto-cache"] == "miss"
+    again = httpx.post(url, json=body, headers=headers, timeout=10)
+    assert again.headers["x-ponto-cache"] == "hit" and again.json() == answer
+    bad = httpx.post(url, json={**body, "documents": []}, headers=headers, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+    assert sim_stats(sims, fleet, "o-us")["requests"] == 1
+
+
 @pytest.mark.parametrize("mode", ["fail", "drop"])
 def test_failover_to_next_region_before_first_byte(
     fleet: Fleet, sims: httpx.Client, mode: str

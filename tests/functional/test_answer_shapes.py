@@ -2,9 +2,10 @@
 (trial 65): chat without choices, `"choices": []`, a `"message": null`,
 completions without text, embeddings without `data` or with another number
 of embeddings than the request has inputs (trial 79), a Responses object
-without `output`. The next origin answers; when none does, the client gets
-a 502 in OpenAI's shape, and nothing is cached. The real proxy app before two
-hand-written origins that answer with the body they are told to.
+without `output`, a rerank answer without `results`, each ranked. The next
+origin answers; when none does, the client gets a 502 in OpenAI's shape, and
+nothing is cached. The real proxy app before two hand-written origins that
+answer with the body they are told to.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ GOOD: dict[str, dict[str, Any]] = {
     },
     "/v1/embeddings": {"object": "list", "data": [{"index": 0, "embedding": [0.5, 0.5]}]},
     "/v1/responses": {"id": "resp_x", "object": "response", "output": [], "status": "completed"},
+    "/v1/rerank": {
+        "usage": {"total_tokens": 4},
+        "results": [{"index": 0, "document": {"text": "a"}, "relevance_score": 0.5}],
+    },
 }
 
 REQUESTS: dict[str, dict[str, Any]] = {
@@ -42,6 +47,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "/v1/completions": {"prompt": "hi", "temperature": 0},
     "/v1/embeddings": {"input": "hi"},
     "/v1/responses": {"input": "hi"},
+    "/v1/rerank": {"query": "hi", "documents": ["a"]},
 }
 
 
@@ -129,6 +135,10 @@ NO_ANSWERS = [
     ("/v1/embeddings", {"object": "list", "data": []}),
     ("/v1/embeddings", {"object": "list", "data": GOOD["/v1/embeddings"]["data"] * 2}),
     ("/v1/responses", {"id": "resp_x", "status": "completed"}),
+    # An origin that took /rerank for another endpoint, or ranked nothing.
+    ("/v1/rerank", GOOD["/v1/embeddings"]),
+    ("/v1/rerank", {"results": []}),
+    ("/v1/rerank", {"results": [{"index": 0}]}),
 ]
 IDS = [
     "no-choices",
@@ -140,6 +150,9 @@ IDS = [
     "no-embeddings",
     "more-embeddings",
     "no-output",
+    "rerank-embeddings",
+    "no-results",
+    "no-score",
 ]
 
 

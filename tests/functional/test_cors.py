@@ -98,6 +98,7 @@ def test_what_is_not_an_origin_is_refused_at_start(
     [
         ("/v1/chat/completions", "POST"),
         ("/v1/embeddings", "POST"),
+        ("/v1/rerank", "POST"),
         ("/v1/responses", "POST"),
         ("/v1/models", "GET"),
         ("/v1/models/sim-small", "GET"),

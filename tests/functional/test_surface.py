@@ -95,6 +95,8 @@ async def test_every_answer_carries_a_request_id(
     [
         ("/chat/completions", "/v1/chat/completions"),  # an SDK's base_url without /v1
         ("/embeddings", "/v1/embeddings"),
+        # vLLM's own path for rerank, and Cohere's (a base_url without /v1).
+        ("/rerank", "/v1/rerank"),
         ("/v1/chat/completions/", "/v1/chat/completions"),
         ("/v1/v1/responses", "/v1/responses"),
         ("/v1/v1/models/m", "/v1/models/m"),  # a path with a parameter (review 307)
@@ -147,7 +149,8 @@ async def test_a_404_for_an_openai_endpoint_not_proxied_names_those_that_are(
     assert err["code"] == "not_found"
     assert err["message"] == (
         f"POST {path}: Not Found; this gateway does not serve that endpoint (it serves"
-        " /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/responses)"
+        " /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/rerank,"
+        " /v1/responses)"
     )
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None
 

@@ -227,6 +227,7 @@ async def test_origin_in_unknown_region(catalog: Catalog, store: MemoryStore) ->
         "http://origin.example/v1/Completions/",
         "https://origin.example/openai/v1/embeddings",
         "http://origin.example/v1/responses",
+        "http://reranker.example:8000/v1/rerank",
     ],
     ids=[
         "ftp",
@@ -240,6 +241,7 @@ async def test_origin_in_unknown_region(catalog: Catalog, store: MemoryStore) ->
         "completions-endpoint",
         "embeddings-endpoint",
         "responses-endpoint",
+        "rerank-endpoint",
     ],
 )
 async def test_origin_bad_url(with_region: Catalog, store: MemoryStore, url: str) -> None:

@@ -49,6 +49,10 @@ def response(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "input": "hi", **fields}
 
 
+def rerank(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "query": "capital of France?", "documents": ["Paris", "Rome"], **fields}
+
+
 def refusal(endpoint: str, body: dict[str, Any]) -> ApiError:
     before = copy.deepcopy(body)
     with pytest.raises(ApiError) as caught:
@@ -146,6 +150,12 @@ GOOD = [
                              user="u")),
     ("embeddings", embedding(input=[1, 2])),
     ("embeddings", embedding(input=[[1], [2, 3]])),
+    ("rerank", rerank()),
+    # Jina's and Cohere's fields, vLLM's own passed on unchecked; a top_n
+    # past the documents is every document, as on vLLM and Jina.
+    ("rerank", rerank(documents=["", "x"], top_n=5, return_documents=False,
+                      max_tokens_per_doc=512, truncate_prompt_tokens=-1, priority=0,
+                      stream=False)),
     ("responses", response()),
     ("responses", response(
         input=[
@@ -186,7 +196,7 @@ def test_documented_requests_pass(endpoint: str, body: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- requests refused
 
-C, P, E, R = "chat.completions", "completions", "embeddings", "responses"
+C, P, E, R, K = "chat.completions", "completions", "embeddings", "responses", "rerank"
 T, V, M = "invalid_type", "invalid_value", "missing_required_parameter"
 
 BAD = [
@@ -368,6 +378,25 @@ BAD = [
     (E, embedding(dimensions=0), "dimensions", "integer_below_min_value"),
     (E, embedding(dimensions="256"), "dimensions", T),
     (E, embedding(user=1), "user", T),
+    # rerank
+    (K, {"model": "m", "documents": ["a"]}, "query", M),
+    (K, {"model": "m", "query": "q"}, "documents", M),
+    (K, {"query": "q", "documents": ["a"]}, "model", M),
+    (K, rerank(query=""), "query", "empty_string"),
+    (K, rerank(query=["q"]), "query", T),
+    (K, rerank(documents=[]), "documents", "empty_array"),
+    (K, rerank(documents="Paris"), "documents", T),
+    # Jina's and Cohere v1's document objects, which vLLM refuses.
+    (K, rerank(documents=["Paris", {"text": "Rome"}]), "documents[1]", T),
+    (K, rerank(documents=["Paris", None]), "documents[1]", T),
+    (K, rerank(documents=["x"] * 10_001), "documents", "array_above_max_length"),
+    (K, rerank(top_n=0), "top_n", "integer_below_min_value"),
+    (K, rerank(top_n=-1), "top_n", "integer_below_min_value"),
+    (K, rerank(top_n="3"), "top_n", T),
+    (K, rerank(top_n=2.5), "top_n", T),
+    (K, rerank(return_documents="yes"), "return_documents", T),
+    (K, rerank(max_tokens_per_doc=0), "max_tokens_per_doc", "integer_below_min_value"),
+    (K, rerank(stream=True), "stream", V),
     # responses
     (R, response(input=5), "input", T),
     (R, response(input=[{"content": "x"}]), "input[0].role", M),
@@ -471,7 +500,13 @@ def test_the_first_wrong_field_in_the_body_is_named() -> None:
 
 
 def test_every_endpoint_has_rules_and_the_proxys_endpoints_are_among_them() -> None:
-    assert set(ENDPOINT_RULES) == {"chat.completions", "completions", "embeddings", "responses"}
+    assert set(ENDPOINT_RULES) == {
+        "chat.completions",
+        "completions",
+        "embeddings",
+        "rerank",
+        "responses",
+    }
     assert set(ENDPOINTS) <= set(ENDPOINT_RULES)
     for name, endpoint in ENDPOINTS.items():
         assert endpoint.required in ENDPOINT_RULES[name].required
