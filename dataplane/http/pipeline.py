@@ -871,11 +871,7 @@ class Pipeline:
                 )
                 if ex.usage_added
                 else None,
-                embeddings=(
-                    embedding_inputs(ex.body.get("input"))
-                    if ex.endpoint.name == "embeddings"
-                    else 0
-                ),
+                inputs=batch_of(ex)[0] if ex.endpoint.name in BATCHES else 0,
                 lines=lines,
             )
         except ApiError as exc:
@@ -1646,6 +1642,10 @@ async def admit_when_slot_frees(
     finally:
         limiter.wait_end(scopes)
     return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most)
+
+
+# The endpoints whose requests are batches of items an answer accounts for.
+BATCHES: Final = frozenset({"embeddings", "rerank"})
 
 
 def batch_of(ex: Exchange) -> tuple[int, str]:

@@ -386,13 +386,13 @@ class _Tries:
         "busy",
         "busy_retry_s",
         "deadline",
-        "embeddings",
         "errored",
         "failed",
         "failures",
         "first_bound",
         "first_within",
         "full",
+        "inputs",
         "lined",
         "made",
         "max_tokens_added",
@@ -421,7 +421,7 @@ class _Tries:
         model: str = "",
         max_tokens_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
-        embeddings: int = 0,
+        inputs: int = 0,
         lined: tuple[CIMultiDict[str], bytes] | None = None,
     ) -> None:
         self.deadline = deadline  # loop time
@@ -488,9 +488,10 @@ class _Tries:
         # `stream_options.include_usage` for the proxy's count (forward's
         # `plain_body`); sent instead to an origin that refuses the member.
         self.plain_body = plain_body
-        # An embeddings request's inputs, each of which its answer must hold an
-        # embedding of (forward's `embeddings`); 0: not counted.
-        self.embeddings = embeddings
+        # A batch request's items, which its answer must account for (forward's
+        # `inputs`): an embeddings request's inputs, a rerank's documents; 0: not
+        # counted.
+        self.inputs = inputs
         # The request's headers and their lines in its head (forward's `lines`):
         # the lines stand for those headers alone, not a copy an attempt changed.
         self.lined = lined
@@ -667,7 +668,7 @@ class Forwarder:
         model: str = "",
         max_tokens_added: bool = False,
         plain_body: Callable[[], bytes] | None = None,
-        embeddings: int = 0,
+        inputs: int = 0,
         lines: bytes | None = None,
     ) -> OriginAnswer:
         """The first origin (in `candidates`' order, ejected ones last) that
@@ -736,9 +737,11 @@ class Forwarder:
         their events, as for a client that asks for no usage with
         --origin-stream-usage client.
 
-        `embeddings`: how many inputs an embeddings request has (0: not
-        counted). A whole answer parsed before sending whose `data` holds
-        another number of embeddings is no answer of it (_missing_answer).
+        `inputs`: how many inputs an embeddings request has, or documents a
+        rerank request (0: not counted). A whole answer parsed before sending
+        whose `data` holds another number of embeddings, or that ranks more
+        documents or another than the request's, is no answer of it
+        (_missing_answer).
 
         `lines`: `headers`' lines in a request head (`origin_headers`), which
         an attempt that sends `headers` as they are writes as they are (no
@@ -753,7 +756,7 @@ class Forwarder:
             model,
             max_tokens_added,
             plain_body,
-            embeddings,
+            inputs,
             None if lines is None else (headers, lines),
         )
         if stream and settings.first_chunk_timeout is not None:
@@ -1565,7 +1568,7 @@ class Forwarder:
                             resp.status,
                             content_type,
                             path if method is None else "",
-                            tries.embeddings if tries is not None else 0,
+                            tries.inputs if tries is not None else 0,
                         )
                     elif resp.status == NOT_FOUND and body_read is not None and method is None:
                         # (A stored response's path is no endpoint's: an origin
@@ -1804,14 +1807,14 @@ PARSE_BEFORE_SENDING_MAX: Final = 1 << 20
 
 
 def _answer_object(
-    body: bytes, status: int, content_type: str, path: str = "", embeddings: int = 0
+    body: bytes, status: int, content_type: str, path: str = "", inputs: int = 0
 ) -> Any:
     """A 2xx whole body parsed (NOT_PARSED when too large to parse before
     sending); _Retryable "bad_answer" when it is no JSON object, which every
     endpoint answers: an nginx welcome page, a gateway's login form, another
     service's JSON, a body cut short with its length (a wrong base URL or
     port, or a broken origin); or when it holds no answer of the endpoint at
-    `path` (_missing_answer, with the request's `embeddings` inputs; "":
+    `path` (_missing_answer, with the request's `inputs`; "":
     not checked)."""
     if len(body) > PARSE_BEFORE_SENDING_MAX:
         ends = body.strip()
@@ -1835,7 +1838,7 @@ def _answer_object(
         # gave it, and an account's or the origin's as a fixed message
         # (review 201: "insufficient credit on account org-..." reached it).
         raise _error_answer(parsed, status)
-    missing = _missing_answer(parsed, path, embeddings)
+    missing = _missing_answer(parsed, path, inputs)
     if missing:
         raise _Retryable(
             "bad_answer", f"answered {status} to {path} with no answer in it: {missing}", status
@@ -1843,12 +1846,12 @@ def _answer_object(
     return parsed
 
 
-def _missing_answer(parsed: dict[str, Any], path: str, embeddings: int = 0) -> str:
+def _missing_answer(parsed: dict[str, Any], path: str, inputs: int = 0) -> str:
     """What a 2xx body lacks to be an answer of the endpoint at `path`, ""
     when it lacks nothing (or `path` is no endpoint checked): chat's choices,
     each with a `message` object; completions' choices, each with a `text`;
     embeddings' `data` list, of one item per input when the request's
-    `embeddings` inputs are counted (trial 79: `"data": []`, or one vector
+    `inputs` are counted (trial 79: `"data": []`, or one vector
     short of a batch, went to the client as a success and was kept in the
     cache for its TTL; the SDK's `data[0]` failed, and a client that pairs
     vectors with its texts by position paired them wrongly); a Responses
@@ -1887,22 +1890,24 @@ def _missing_answer(parsed: dict[str, Any], path: str, embeddings: int = 0) -> s
         data = parsed.get("data")
         if not isinstance(data, list):
             return "no data list"
-        if embeddings and miscounted(parsed, embeddings):
-            return f"{len(data)} embeddings for {embeddings} inputs"
+        if inputs and miscounted(parsed, inputs):
+            return f"{len(data)} embeddings for {inputs} inputs"
         return ""
     if path == RESPONSES_PATH:
         if isinstance(parsed.get("output"), list) or parsed.get("object") == "response":
             return ""
         return "no output list"
     if path == RERANK_PATH:
-        return _missing_ranking(parsed)
+        return _missing_ranking(parsed, inputs)
     return ""
 
 
-def _missing_ranking(parsed: dict[str, Any]) -> str:
+def _missing_ranking(parsed: dict[str, Any], documents: int = 0) -> str:
     """What a rerank answer lacks (_missing_answer): a `results` list, each
     result an object with an integer `index` and a numeric
-    `relevance_score`, which a client reads to pick its documents. An
+    `relevance_score`, which a client reads to pick its documents
+    (`documents[index]`): with the request's `documents` counted, no more
+    results than documents, each index one of them, none twice. An
     embeddings answer or a chat completion from an origin that took the path
     for another is none, nor is `"results": []` (a request holds at least
     one document, and `top_n` is at least one)."""
@@ -1911,12 +1916,20 @@ def _missing_ranking(parsed: dict[str, Any]) -> str:
         return "no results list"
     if not results:
         return "no results"
+    if documents and len(results) > documents:
+        return f"{len(results)} results for {documents} documents"
+    seen: set[int] = set()
     for result in results:
         if not isinstance(result, dict):
             return "a result that is no object"
         index, score = result.get("index"), result.get("relevance_score")
         if type(index) is not int or index < 0:
             return "a result with no index"
+        if documents and index >= documents:
+            return f"a result for document {index} of {documents}"
+        if index in seen:
+            return f"document {index} ranked twice"
+        seen.add(index)
         if type(score) not in (int, float):
             return "a result with no relevance_score"
     return ""

@@ -139,6 +139,8 @@ NO_ANSWERS = [
     ("/v1/rerank", GOOD["/v1/embeddings"]),
     ("/v1/rerank", {"results": []}),
     ("/v1/rerank", {"results": [{"index": 0}]}),
+    # The request has one document.
+    ("/v1/rerank", {"results": [{"index": 1, "relevance_score": 0.5}]}),
 ]
 IDS = [
     "no-choices",
@@ -153,6 +155,7 @@ IDS = [
     "rerank-embeddings",
     "no-results",
     "no-score",
+    "another-document",
 ]
 
 

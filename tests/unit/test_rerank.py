@@ -125,6 +125,32 @@ def test_a_body_without_a_ranking_is_no_answer(body: dict[str, Any], why: str) -
     assert failed.value.outcome == "bad_answer" and why in str(failed.value)
 
 
+@pytest.mark.parametrize(
+    ("results", "why"),
+    [
+        # A client picks documents[index]: a ranking of other documents is
+        # no answer of this request's (nor kept for its key).
+        (ANSWER["results"] * 2, "4 results for 2 documents"),
+        ([{"index": 2, "relevance_score": 0.5}], "a result for document 2 of 2"),
+        ([{"index": 1, "relevance_score": 0.5}] * 2, "document 1 ranked twice"),
+    ],
+)
+def test_a_ranking_of_other_documents_than_the_requests_is_no_answer(
+    results: list[Any], why: str
+) -> None:
+    body = jsonio.dumps({**ANSWER, "results": results})
+    with pytest.raises(_Retryable) as failed:
+        _answer_object(body, 200, "application/json", "/rerank", 2)
+    assert why in str(failed.value)
+    if "of 2" in why:  # not counted: no index is past the documents
+        assert _answer_object(body, 200, "application/json", "/rerank")
+
+
+def test_top_n_of_the_documents_is_an_answer() -> None:
+    body = {**ANSWER, "results": ANSWER["results"][1:]}
+    assert _answer_object(jsonio.dumps(body), 200, "application/json", "/rerank", 2) == body
+
+
 def test_a_2xx_error_beside_results_is_an_answer() -> None:
     body = {**ANSWER, "error": {"message": "partial"}}
     assert _answer_object(jsonio.dumps(body), 200, "application/json", "/rerank") == body
