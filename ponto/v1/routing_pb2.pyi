@@ -720,7 +720,7 @@ class RoutingPolicy(_message.Message):
     LOAD_BOUND_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     """affinity, least-loaded or weighted. "" means the default: affinity for
-    chat and completions, least-loaded for embeddings.
+    chat and completions, least-loaded for embeddings and rerank.
     """
     user_sessions: _builtins.bool
     """Use the request's `user` field as a session key (after prompt_cache_key
