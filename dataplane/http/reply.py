@@ -144,9 +144,16 @@ _ORIGIN_LINES: dict[tuple[str, str], bytes] = {}
 _OUR_LINES: dict[tuple[str, str], bytes] = {}
 _LINES_MAX: Final = 512
 # Our names, lowercased: an origin's header of one of them is replaced by
-# ours in its place (CIMultiDict), which WholeAnswer's lines do not do.
+# ours in its place (CIMultiDict), which WholeAnswer's lines do not do; and
+# those aiohttp's prepare (EdgeProtocol._put_whole) adds unless a handler
+# set them (an origin's never reach here: forwarder.DROP_RESPONSE_HEADERS).
 _OUR_NAMES: Final = frozenset(
     {
+        "content-length",
+        "transfer-encoding",
+        "date",
+        "server",
+        "connection",
         "x-ponto-origin",
         "x-ponto-region",
         ORIGIN_REQUEST_ID_HEADER,

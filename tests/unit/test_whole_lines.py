@@ -53,6 +53,9 @@ def test_lines_are_what_aiohttp_writes(origin: list[tuple[str, str]]) -> None:
         # An origin's header of one of our names: ours takes its place.
         ([("X-Request-Id", "theirs"), ("x-a", "1")], OURS),
         ([("Age", "3")], OURS),
+        # One aiohttp's prepare would not add again (the origin's are dropped).
+        ([("Date", "Mon, 07 Dec 2026 04:25:38 GMT")], OURS),
+        ([("server", "nginx")], OURS),
         # Not printable ASCII: aiohttp writes UTF-8, or refuses a control character.
         ([("x-a", "café")], OURS),
         ([("x-a", "a\tb")], OURS),
