@@ -539,7 +539,10 @@ class Forwarder:
         # Its own bucket: hedges never spend the retries' tokens, nor retries the hedges'.
         self.hedges = hedges or hedge_budget()
         self.commit_times = commit_times or CommitTimes()
-        configured = (h.lower() for h in settings.forward_headers)
+        # Each name once (dict.fromkeys keeps the first place): a name listed
+        # twice would be set twice, one header, but give origin_headers'
+        # lines two, and count twice against MAX_FORWARDED_TOTAL.
+        configured = dict.fromkeys(h.lower() for h in settings.forward_headers)
         self._forward = FORWARD_REQUEST_HEADERS + tuple(
             h for h in configured if h not in NEVER_FORWARDED and h not in FORWARD_REQUEST_HEADERS
         )

@@ -9,6 +9,8 @@ import asyncio
 
 import pytest
 from aiohttp.http_writer import _serialize_headers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -76,3 +78,35 @@ async def test_a_head_with_the_lines_is_the_head_without_them() -> None:
         plain = request_head(endpoint, endpoint.line, headers, 12)
         assert request_head(endpoint, endpoint.line, headers, 12, lines) == plain
         assert plain.startswith(f"{endpoint.line}\r\ncontent-type: application/json\r\n".encode())
+
+
+def test_a_header_configured_twice_is_one_line() -> None:
+    """--forward-headers x-hint,X-Hint: the origin gets one x-hint line,
+    as the headers hold one (review 324: the lines held two)."""
+    fw = forwarder("x-hint", "X-Hint")
+    headers, lines = fw.origin_headers(CIMultiDict({"x-hint": "blue"}), "r1")
+    assert headers.getall("x-hint") == ["blue"]
+    assert lines == serialised(headers)
+    assert lines is not None and lines.count(b"x-hint") == 1
+
+
+_NAMES = st.sampled_from(
+    ["x-hint", "X-Hint", "x-b", "accept", "user-agent", "traceparent", "tracestate", "x-request-id"]
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    configured=st.lists(_NAMES, max_size=4),
+    incoming=st.dictionaries(
+        _NAMES.map(str.lower), st.text(st.sampled_from(list("ab 1\t\x01é=")), max_size=5)
+    ),
+    traceparent=st.sampled_from([None, TRACE]),
+)
+def test_any_lines_are_aiohttps_bytes(
+    configured: list[str], incoming: dict[str, str], traceparent: str | None
+) -> None:
+    """Differential: whatever is configured and sent, lines made are the
+    serialisation of the headers they stand for."""
+    headers, lines = forwarder(*configured).origin_headers(CIMultiDict(incoming), "r1", traceparent)
+    assert lines is None or lines == serialised(headers)
