@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit import (
@@ -731,3 +734,44 @@ def test_a_turn_on_stored_state_is_one_whose_prompt_no_estimate_sees(
     endpoint: str, body: dict[str, object], stored: bool
 ) -> None:
     assert continues_stored(endpoint, body) is stored
+
+
+_LIMITS = st.builds(
+    ScopeLimits, rpm=st.sampled_from([0, 2, 60, 1000]), tpm=st.sampled_from([0, 100, 10_000])
+)
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("configure"), st.fixed_dictionaries({T: _LIMITS, K: _LIMITS})),
+        st.tuples(st.just("share"), st.sampled_from([T, K]), st.sampled_from([0.0, 0.25, 1.0])),
+        st.tuples(st.just("admit"), st.integers(0, 300)),
+        st.tuples(st.just("wait"), st.sampled_from([0.0, 0.001, 0.5, 3.0, 61.0])),
+    ),
+    max_size=20,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(steps=_STEPS)
+def test_headers_kept_are_the_headers_remade(steps: list[tuple[Any, ...]]) -> None:
+    """Differential (review 324): the remaining and reset headers a scope
+    keeps with the level they were made of (RateLimiter.headers) are those
+    made anew, whatever tables, shares, admissions and time came between."""
+    rl = limiter({T: ScopeLimits(rpm=60, tpm=10_000), K: ScopeLimits(rpm=60)}, {})
+    rl.apply_shares({T: Share(1.0), K: Share(1.0)}, 0.0)
+    now = 0.0
+    for step in steps:
+        if step[0] == "configure":
+            rl.configure(step[1], now)
+        elif step[0] == "share":
+            rl.apply_shares({step[1]: Share(step[2])}, now)
+        elif step[0] == "admit":
+            admission = rl.admit([T, K], step[1], now)
+            if admission.ok:
+                admission.release(step[1], now)
+        else:
+            now += step[1]
+        kept = rl.headers([T, K], now)
+        remade = copy.deepcopy(rl)
+        for scope in remade._scopes.values():
+            scope.req_shown = scope.tok_shown = None
+        assert kept == remade.headers([T, K], now)

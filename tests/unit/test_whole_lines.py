@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import hdrs, web
 from aiohttp.http_writer import _serialize_headers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from dataplane.http import reply
@@ -96,3 +98,38 @@ def test_it_holds_what_aiohttp_s_own_init_sets() -> None:
     answer = WholeAnswer(200, b"x", b"", False, origin, [])
     own = {"lines", "typed", "_made", "_origin", "_ours"}
     assert set(vars(web.Response(body=b"x"))) == set(vars(answer)) - own | {"_headers"}
+
+
+# An origin's names as the forwarder passes them (never Server, Date or the
+# framing: forwarder.DROP_RESPONSE_HEADERS), some of them ours or a limit's.
+_ORIGIN_NAMES = st.sampled_from(
+    [
+        "Content-Type",
+        "content-type",
+        "x-a",
+        "X-A",
+        "Age",
+        "x-request-id",
+        "X-RateLimit-Limit-Requests",
+    ]
+)
+_OUR_NAMES = st.sampled_from(
+    [name for name, _ in OURS] + ["age", "x-ponto-route", "x-ratelimit-limit-requests"]
+)
+# Mostly printable ASCII, so that most examples have lines to compare.
+_VALUES = st.sampled_from(["1", "", "a b", "x:y", "v", "0", "w=1", "é", "a\tb"])
+
+
+@settings(max_examples=1000, deadline=None, database=None)
+@given(
+    origin=st.lists(st.tuples(_ORIGIN_NAMES, _VALUES), max_size=5),
+    ours=st.lists(st.tuples(_OUR_NAMES, _VALUES), max_size=6, unique_by=lambda pair: pair[0]),
+)
+def test_any_lines_are_what_aiohttp_writes(
+    origin: list[tuple[str, str]], ours: list[tuple[str, str]]
+) -> None:
+    """Differential (review 324): whatever the headers, lines made (twice:
+    made, then remembered) are aiohttp's bytes for them."""
+    for _ in range(2):
+        lines = reply._lines(CIMultiDict(origin), ours)
+        assert lines is None or lines == as_aiohttp(origin, ours)
