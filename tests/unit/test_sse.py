@@ -283,3 +283,40 @@ def test_a_byte_order_mark_past_the_start_is_a_lines_bytes() -> None:
     assert parse(b"data: x\n\n\xef\xbb\xbfdata: y\n\n", [9]) == ([Event(b"x")], None)
     # Bytes that began like one, and were not, are the line's.
     assert parse(b"\xefdata: x\n\n", [1]) == ([], None)
+
+
+# Pieces of SSE as origins send it, odd ones too: CRLF and CR alone, comments,
+# names, ids, a byte order mark, lines without their space.
+_PIECES = st.sampled_from(
+    [
+        *(b"data: ", b"data:", b"data: [DONE]", b"{}", b"x", b" "),
+        *(b"\n", b"\n\n", b"\r", b"\r\n", b": c", b"event: error", b"id: 1", b"\xef\xbb\xbf"),
+        *(b"data: a\n\n", b"data: b\n\n"),
+    ]
+)
+
+
+@settings(max_examples=1000, database=None)
+@given(st.lists(st.lists(_PIECES, max_size=8).map(b"".join), max_size=5))
+def test_a_verbatim_chunk_is_its_events_framed(chunks: list[bytes]) -> None:
+    """Differential (review 324): a chunk's events are those it gives fed a
+    byte at a time (which takes no fast path); one the parser calls verbatim
+    is what framing its events one by one (`data: ` + data + LF LF) makes,
+    and each event's size (and its blank line's LF) finds where the next
+    begins, as the relay writes such a chunk as it came, or up to an event
+    (relay._before)."""
+    parser, bytewise = SseParser(), SseParser()
+    for chunk in chunks:
+        events = parser.feed(chunk)
+        # The same events, sizes too, as fed a byte at a time (no fast path).
+        alone = [ev for i in range(len(chunk)) for ev in bytewise.feed(chunk[i : i + 1])]
+        assert [(ev, ev.size) for ev in events] == [(ev, ev.size) for ev in alone]
+        if not parser.verbatim:
+            continue
+        framed = [b"data: " + ev.data + b"\n\n" for ev in events]
+        assert b"".join(framed) == chunk
+        assert not any(ev.name for ev in events)
+        at = 0
+        for i, ev in enumerate(events):
+            assert chunk[:at] == b"".join(framed[:i])
+            at += ev.size + 1
