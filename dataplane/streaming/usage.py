@@ -99,7 +99,12 @@ def for_unasked(data: bytes) -> bytes | None:
         return data
     if data.find(b'"usage":null') >= 0 or data.find(b'"usage": null') >= 0:
         return without_usage_null(data)
-    obj = jsonio.loads_or_none(data)
+    return _unasked_parsed(data, jsonio.loads_or_none(data))
+
+
+def _unasked_parsed(data: bytes, obj: Any) -> bytes | None:
+    """for_unasked of `data`, which has a usage key and no null usage, parsed
+    as `obj` (None: not JSON)."""
     if isinstance(obj, dict) and obj.get("usage") is not None and not obj.get("choices"):
         return None
     return data
@@ -356,6 +361,7 @@ class UsageCounter:
 
     __slots__ = (
         "_keyless",
+        "_parsed",
         "content_events",
         "error_event",
         "event_bytes",
@@ -377,8 +383,10 @@ class UsageCounter:
         self.finishes = finishes
         self.finished = finished
         # The data of the last event counted, when it has no "usage" key
-        # (None otherwise): `unasked` need not search it again.
+        # (None otherwise): `unasked` need not search it again; and the last
+        # parsed for its usage, with what it parsed to: nor parse it again.
         self._keyless: bytes | None = None
+        self._parsed: tuple[bytes, Any] | None = None
 
     def event(self, ev: Event) -> None:
         data = ev.data
@@ -395,6 +403,7 @@ class UsageCounter:
             self._keyless = None
             if data.find(b'"usage":null') < 0 and data.find(b'"usage": null') < 0:
                 obj = jsonio.loads_or_none(data)
+                self._parsed = (data, obj)
                 found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
                 if found is not None:
                     self.usage = found
@@ -416,10 +425,14 @@ class UsageCounter:
     def unasked(self, data: bytes) -> bytes | None:
         """`for_unasked(data)`, a Trim: for the event this counter was given
         last (the relay gives its readers an event before its trim), without
-        a second search for a usage key it has none of; any other data is
-        searched as for_unasked searches it."""
+        a second search for a usage key it has none of, nor a second parse of
+        a usage it parsed; any other data is searched as for_unasked
+        searches it."""
         if data is self._keyless:
             return data
+        parsed = self._parsed
+        if parsed is not None and parsed[0] is data:
+            return _unasked_parsed(data, parsed[1])
         return for_unasked(data)
 
     def result(self, prompt_estimate: int) -> Usage:

@@ -88,7 +88,13 @@ def test_the_counters_trim_is_for_unasked() -> None:
     # Of the event it counted last without searching it again, of any
     # other data as for_unasked makes it.
     plain, usage = chunk(choices=CHOICE), chunk(choices=[], usage=USAGE)
-    datas = [plain, usage, chunk(choices=CHOICE, usage=None), chunk(choices=CHOICE, usage=USAGE)]
+    datas = [
+        plain,
+        usage,
+        chunk(choices=CHOICE, usage=None),
+        chunk(choices=CHOICE, usage=USAGE),
+        b'{"usage": {"prompt_tokens": 1} no JSON',
+    ]
     counter = UsageCounter()
     for data, other in itertools.product(datas, datas):
         counter.event(Event(data))
