@@ -571,7 +571,8 @@ async def _relay_events(
                 for reader in readers:
                     reader.event(ev)
                 last = ev
-                if ev.done or ev.name in RESPONSES_ENDS:
+                # A name first: nearly every event has none (a set lookup each).
+                if ev.done or (ev.name and ev.name in RESPONSES_ENDS):
                     done = True
                 if trim is not None and (shown := trim(ev.data)) is not ev.data:
                     if verbatim:
