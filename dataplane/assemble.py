@@ -169,6 +169,19 @@ def assembled(endpoint: str, body: dict[str, Any], rules: PromptRules) -> Assemb
     return Assembly(changed, max_tokens_added=added)
 
 
+def every_document(body: dict[str, Any]) -> bool:
+    """Leave out a rerank request's `top_n` below 1 (validated an integer),
+    vLLM's "every document"; True when it did. Without it every origin ranks
+    every document: llama.cpp reads 0 as none, and its empty `results` would
+    be failed over as no answer. The cache then keys the request as one
+    without `top_n`, whose answer it is."""
+    top_n = body.get("top_n")
+    if type(top_n) is int and top_n < 1:
+        del body["top_n"]
+        return True
+    return False
+
+
 def ruled_fields(endpoint: str, rules: PromptRules) -> tuple[str, ...]:
     """The top-level fields the proxy reads on `endpoint`'s requests whose
     value an origin must see as checked: `rules`', and `model`, on which

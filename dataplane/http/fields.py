@@ -1303,15 +1303,17 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         ),
     ),
     # Rerank (Jina's and Cohere's API, as vLLM and llama.cpp serve it): no
-    # sampling, no generation. vLLM takes a `top_n` of 0 (or less) for every
-    # document; Jina's and Cohere's APIs take 1 and more, as the proxy does.
+    # sampling, no generation. A `top_n` of 0 or less is vLLM's every
+    # document (its default is 0, which clients that send every field send),
+    # and the proxy leaves it out before any origin reads it
+    # (assemble.every_document): llama.cpp would rank none.
     "rerank": Rules(
         ("model", "query", "documents"),
         {
             "model": COMMON["model"],
             "query": string(non_empty=True),
             "documents": _documents,
-            "top_n": integer(1, MAX_INT),
+            "top_n": integer(-MAX_INT - 1, MAX_INT),
             "return_documents": boolean,
             "max_tokens_per_doc": integer(1, MAX_INT),  # Cohere v2's
             # Not vLLM's `truncate_prompt_tokens`: its embeddings and

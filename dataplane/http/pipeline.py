@@ -29,7 +29,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
-from dataplane.assemble import assembled, names_twice, ruled_fields
+from dataplane.assemble import assembled, every_document, names_twice, ruled_fields
 from dataplane.auth.authenticator import (
     OPEN_PRINCIPAL,
     AuthError,
@@ -571,6 +571,8 @@ class Pipeline:
         done = assembled(ex.endpoint.name, ex.body, rules)
         ex.max_tokens_added = done.max_tokens_added
         ex.rewritten = done.changed or names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
+        if ex.endpoint.name == "rerank" and every_document(ex.body):
+            ex.rewritten = True
         model = ex.body["model"]
         if not isinstance(model, str) or model not in ex.routes.groups:
             raise model_not_found(asked)

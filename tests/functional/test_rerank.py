@@ -81,6 +81,24 @@ async def test_a_ranking_is_relayed_counted_from_its_usage_and_kept(stack: Stack
     assert stack.origin_requests() == 2
 
 
+@pytest.mark.parametrize("top_n", [0, -1])
+async def test_a_top_n_below_one_is_every_document_left_out_for_the_origin(
+    stack: Stack, top_n: int
+) -> None:
+    # vLLM's default top_n, 0, ranks every document, and so does any below 1;
+    # llama.cpp ranks none for 0: the proxy leaves it out, and keys the
+    # request as one without it.
+    first = await rerank(stack, {**RERANK, "top_n": top_n})
+    assert first.status == 200, await first.text()
+    assert len((await first.json())["results"]) == len(DOCUMENTS)
+    sent = stack.origins[0].app[SIM_STATE].stats.last_request
+    assert sent is not None and isinstance(sent["body"], dict)
+    assert "top_n" not in sent["body"]
+    again = await rerank(stack, RERANK)
+    assert again.headers["x-ponto-cache"] == "hit"
+    assert stack.origin_requests() == 1
+
+
 async def test_identical_rankings_in_flight_make_one_origin_call(stack: Stack) -> None:
     answers = await asyncio.gather(
         *(rerank(stack, RERANK, **{"x-sim-delay-ms": "200"}) for _ in range(3))
@@ -146,7 +164,7 @@ BAD = [
     ({**RERANK, "query": {"text": "q"}}, "query", "invalid_type"),
     ({**RERANK, "documents": []}, "documents", "empty_array"),
     ({**RERANK, "documents": [{"text": "Paris"}]}, "documents[0]", "invalid_type"),
-    ({**RERANK, "top_n": 0}, "top_n", "integer_below_min_value"),
+    ({**RERANK, "top_n": "3"}, "top_n", "invalid_type"),
     ({**RERANK, "return_documents": "no"}, "return_documents", "invalid_type"),
     ({**RERANK, "stream": True}, "stream", "invalid_value"),
 ]
