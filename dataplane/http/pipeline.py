@@ -114,6 +114,7 @@ from dataplane.upstream.forwarder import (
     Sent,
     embedding_inputs,
     miscounted,
+    misranked,
 )
 from dataplane.upstream.hedge import HedgeSetting
 from dataplane.upstream.responseids import Rewriter, StreamIds, ids_of, rewrite_words
@@ -1019,9 +1020,10 @@ class Pipeline:
             # what the access log and ponto_tenant_tokens_total show.
             ex.usage = Usage(0, 0)
         if not parsed:
-            if ex.endpoint.name == "embeddings" and miscounted(
-                obj, embedding_inputs(ex.body.get("input"))
-            ):
+            name = ex.endpoint.name
+            if (
+                name == "embeddings" and miscounted(obj, embedding_inputs(ex.body.get("input")))
+            ) or (name == "rerank" and misranked(obj, len(ex.body["documents"]))):
                 # Too large to be checked before it was sent (the forwarder
                 # fails a smaller one over): relayed, but never kept.
                 obj = None

@@ -1955,6 +1955,13 @@ def miscounted(obj: Any, inputs: int) -> bool:
     return isinstance(data, list) and len(data) != inputs
 
 
+def misranked(obj: Any, documents: int) -> bool:
+    """Whether `obj`, a rerank answer parsed, is no ranking of its request's
+    `documents` (_missing_ranking: more results than documents, an index
+    past them, one twice): no answer of it, never kept."""
+    return not isinstance(obj, dict) or bool(_missing_ranking(obj, documents))
+
+
 NOT_FOUND = 404
 
 

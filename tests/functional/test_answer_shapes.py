@@ -287,3 +287,31 @@ async def test_an_embeddings_answer_too_large_to_check_first_is_not_kept_when_mi
         assert shared.calls == 3
     finally:
         await s.close()
+
+
+async def test_a_rerank_answer_too_large_to_check_first_is_not_kept_when_misranked(
+    tmp_path: Path,
+) -> None:
+    """A ranking over 1 MiB (long documents returned) is sent before it is
+    parsed; one that ranks a document past its request's, which a client's
+    `documents[index]` fails on, is relayed but never kept."""
+    shared = Shared()
+    s = await two_origins(tmp_path, shared.handle, GOOD, ["--cache-max-entry-kb", "4096"])
+    try:
+        rig = Rig(s, shared)
+        text = "x" * 1_100_000
+        ranked = [{"index": 1, "relevance_score": 0.5, "document": {"text": text}}]
+        shared.bad, shared.bad_calls = {"usage": {"total_tokens": 4}, "results": ranked}, 4
+        for calls in (1, 2):
+            resp = await rig.post("/v1/rerank", documents=["a"])
+            assert resp.status == 200
+            assert len(await resp.read()) > 1 << 20
+            assert (resp.headers["x-ponto-cache"], shared.calls) == ("miss", calls)
+        # The same answer to two documents ranks one of them: kept, then a hit.
+        for cache in ("miss", "hit"):
+            resp = await rig.post("/v1/rerank", documents=["a", "b"])
+            assert (resp.status, resp.headers["x-ponto-cache"]) == (200, cache)
+            await resp.read()
+        assert shared.calls == 3
+    finally:
+        await s.close()
