@@ -583,7 +583,8 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
 def _path_hint(request: web.Request) -> str:
     """For a 404: the proxy's path the client likely meant, when its path is
     one of them (a parameter's too: /v1/models/{model}) without the /v1
-    prefix, with it twice, or with a trailing slash (trial 51: an SDK's
+    prefix, with it twice, under /v2 (Cohere v2's /v2/rerank), or with a
+    trailing slash (trial 51: an SDK's
     base_url without /v1 got a bare "Not Found"); else, under /v1/ and for
     an endpoint none of whose paths the gateway has, that it does not serve
     it and the API paths it does serve (those without a parameter); else "".
@@ -592,6 +593,10 @@ def _path_hint(request: web.Request) -> str:
     meant = path.rstrip("/")
     if meant.startswith("/v1/v1/"):
         meant = meant[3:]
+    elif meant.startswith("/v2/"):
+        # Cohere v2's /v2/rerank, which vLLM serves as its /v1/rerank (the
+        # Cohere SDK's ClientV2 calls it): the same API here at /v1/rerank.
+        meant = "/v1" + meant[3:]
     elif not meant.startswith("/v1/"):
         meant = "/v1" + meant
     resources = [r for r in request.app.router.resources() if r.canonical.startswith("/v1/")]

@@ -97,6 +97,8 @@ async def test_every_answer_carries_a_request_id(
         ("/embeddings", "/v1/embeddings"),
         # vLLM's own path for rerank, and Cohere's (a base_url without /v1).
         ("/rerank", "/v1/rerank"),
+        ("/v2/rerank", "/v1/rerank"),  # Cohere v2's, which vLLM serves as its v1
+        ("/v2/nope", None),
         ("/v1/chat/completions/", "/v1/chat/completions"),
         ("/v1/v1/responses", "/v1/responses"),
         ("/v1/v1/models/m", "/v1/models/m"),  # a path with a parameter (review 307)
