@@ -601,7 +601,8 @@ class Metrics:
             "(a count negative or no integer), past_max_tokens (a completion past the "
             "request's max_tokens x n: clamped to it), past_answer (a completion far past "
             "what the answer holds), past_request (a prompt far past what the request "
-            "holds); the proxy's own count or estimate stood instead (docs/rate-limits.md)",
+            "holds), no_prompt (a prompt of 0 tokens for a request that has one); the "
+            "proxy's own count or estimate stood instead (docs/rate-limits.md)",
             ["origin", "reason"],
             registry=r,
         )

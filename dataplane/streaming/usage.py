@@ -158,11 +158,13 @@ def _from_usage(obj: object) -> Usage | None:
 # Why the proxy did not believe an origin's count (the `reason` of
 # ponto_origin_usage_rejected_total; docs/rate-limits.md): a count that is none
 # (negative, not an integer), a completion past the request's own bound, or
-# far past what the answer holds, a prompt far past what the request holds.
+# far past what the answer holds, a prompt far past what the request holds,
+# or a prompt of 0 tokens for a request that has one.
 INVALID: Final = "invalid"
 PAST_BOUND: Final = "past_max_tokens"
 PAST_ANSWER: Final = "past_answer"
 PAST_REQUEST: Final = "past_request"
+NO_PROMPT: Final = "no_prompt"
 
 # The ceilings are generous on purpose: they refuse absurd figures (trial 65:
 # 10**12 tokens, which held a tenant's budget until midnight), never honest
@@ -237,6 +239,7 @@ def within_floors(
     (every answer came through it, about 6 us a request)."""
     return (
         not usage.rejected
+        and (usage.prompt_tokens > 0 or not prompt_estimate)
         and usage.prompt_tokens <= 2 * (raw_size + 4 * prompt_estimate) + PROMPT_SLACK
         and usage.completion_tokens <= answer_bytes + HIDDEN_PER_CHOICE
         and (bound is None or usage.completion_tokens <= bound)
@@ -256,7 +259,8 @@ def believed(
     stream, its estimate of a whole answer) stand instead. A completion past
     the request's bound is clamped to it; one past the answer's `answer_bytes`
     and its hidden allowance, which no honest origin sends, is the proxy's
-    estimate; so is a prompt past its ceiling. The reason is the first found."""
+    estimate; so is a prompt past its ceiling, and a prompt of 0 tokens when
+    the request's estimate is more. The reason is the first found."""
     if usage.rejected:
         return Usage(prompt_estimate, completion_estimate), usage.rejected
     why = ""
@@ -268,6 +272,11 @@ def believed(
         completion, why = completion_estimate, PAST_ANSWER
     if prompt > ceilings.prompt:
         prompt, why = prompt_estimate, why or PAST_REQUEST
+    elif not prompt and prompt_estimate:
+        # A prompt of some tokens counted as none: old llama.cpp builds' rerank
+        # and embeddings usage ("TODO: fill"), Ollama's for a prompt it had
+        # cached. Charged nothing, a tenant's every such request was free.
+        prompt, why = prompt_estimate, why or NO_PROMPT
     if not why:
         return usage, ""
     if cached is not None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dataplane.ratelimit.tokens import completion_bound, estimate_prompt_tokens
 from dataplane.streaming.usage import (
     INVALID,
+    NO_PROMPT,
     PAST_ANSWER,
     PAST_BOUND,
     PAST_REQUEST,
@@ -88,6 +89,9 @@ def test_honest_counts_are_believed(body: dict[str, Any], usage: dict[str, Any])
         ),
         (CHAT, {"prompt_tokens": 9, "completion_tokens": 10**12}, PAST_ANSWER, (9, 7)),
         (CHAT, {"prompt_tokens": 10**12, "completion_tokens": 3}, PAST_REQUEST, None),
+        # A chat prompt is never none (its template alone is tokens): old
+        # llama.cpp builds' usage, charged nothing.
+        (CHAT, {"prompt_tokens": 0, "completion_tokens": 3}, NO_PROMPT, None),
     ],
 )
 def test_absurd_counts_are_not(
@@ -212,3 +216,6 @@ def test_within_floors_refers_what_it_cannot_judge() -> None:
     assert not within_floors(Usage(9, 17), len(raw), estimate, 10, 16)
     assert not within_floors(Usage(9, 10 + 262_145), len(raw), estimate, 10, None)
     assert not within_floors(Usage(rejected=INVALID), len(raw), estimate, 10, None)
+    assert not within_floors(Usage(0, 3), len(raw), estimate, 10, None)
+    # An empty completions prompt may be none (a tokenizer without BOS).
+    assert within_floors(Usage(0, 3), len(raw), 0, 10, None)
