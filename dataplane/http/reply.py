@@ -64,7 +64,7 @@ from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter, asks_usage
 from dataplane.upstream.forwarder import OriginAnswer
 from dataplane.upstream.responseids import Rewriter, StreamIds
-from dataplane.upstream.wire import media_type
+from dataplane.upstream.wire import head_line, media_type
 
 if TYPE_CHECKING:
     from dataplane.cache.step import CachePlan
@@ -185,7 +185,7 @@ def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | Non
             lower = name.lower()
             if lower in _OUR_NAMES or lower.startswith("x-ratelimit"):
                 return None
-            line = _line(pair)
+            line = head_line(f"{pair[0]}: {pair[1]}")
             if line is None:
                 return None
             if len(known) >= _LINES_MAX:
@@ -196,7 +196,7 @@ def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | Non
     for pair in ours:
         line = known.get(pair)
         if line is None:
-            line = _line(pair)
+            line = head_line(f"{pair[0]}: {pair[1]}")
             if line is None:
                 return None
             if pair[0] not in _OWN_IDS:
@@ -206,12 +206,6 @@ def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | Non
         out.append(line)
     out.append(_SERVER_LINE)
     return b"".join(out)
-
-
-def _line(pair: tuple[str, str]) -> bytes | None:
-    """A header's line, None unless it is printable ASCII."""
-    text = f"{pair[0]}: {pair[1]}"
-    return f"{text}\r\n".encode() if text.isascii() and text.isprintable() else None
 
 
 # The Server line every answer gets (sent_now), as WholeAnswer's lines end.

@@ -73,6 +73,7 @@ from dataplane.upstream.wire import (
     OriginFull,
     OriginResponse,
     OriginWire,
+    head_line,
 )
 from ponto.logs import ThrottledBy
 
@@ -2168,10 +2169,10 @@ _JSON_LINE: Final = b"content-type: application/json\r\n"
 
 
 def _add_line(lines: list[bytes], name: str, value: str) -> bool:
-    """Add the header's line to `lines`; False (nothing added) unless it is
-    printable ASCII, which aiohttp's serialisation would write as it is."""
-    text = f"{name}: {value}"
-    if not (text.isascii() and text.isprintable()):
+    """Add the header's line (wire.head_line) to `lines`; False (nothing
+    added) unless it is printable ASCII."""
+    line = head_line(f"{name}: {value}")
+    if line is None:
         return False
-    lines.append(f"{text}\r\n".encode())
+    lines.append(line)
     return True

@@ -518,9 +518,7 @@ class _Endpoint:
         self.pool = _Pool()  # the wire gives it the one of its host, port and scheme
         self.line = f"POST {url.raw_path_qs} HTTP/1.1"
         # As aiohttp's serialisation writes it (None: it is left to that).
-        self.head_line = (
-            f"{self.line}\r\n".encode() if self.line.isascii() and self.line.isprintable() else None
-        )
+        self.head_line = head_line(self.line)
         default_port = url.is_default_port()
         self.host = url.raw_host if default_port else f"{url.raw_host}:{url.port}"
         if ":" in url.raw_host and not url.raw_host.startswith("["):
@@ -533,6 +531,13 @@ class _Endpoint:
             if url.user is not None or url.password is not None
             else None
         )
+
+
+def head_line(text: str) -> bytes | None:
+    """A line of an HTTP head (a request line, or "name: value"), as bytes
+    aiohttp's serialisation writes it: None unless it is printable ASCII
+    (what aiohttp writes as UTF-8, or refuses, is left to it)."""
+    return f"{text}\r\n".encode() if text.isascii() and text.isprintable() else None
 
 
 def media_type(headers: Mapping[str, str]) -> str:
