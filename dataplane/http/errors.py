@@ -64,10 +64,13 @@ class ApiError(Exception):
         # would make label values without bound.
         self.recorded: str | None = None
 
+    def error(self) -> dict[str, str | None]:
+        """Its error object, in OpenAI's shape (the member `error` of its body)."""
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
     def body(self) -> bytes:
         """Its JSON, in OpenAI's shape."""
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return jsonio.dumps({"error": error})
+        return jsonio.dumps({"error": self.error()})
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         headers = {**self.headers, **(extra_headers or {})}

@@ -791,9 +791,8 @@ class Pipeline:
             # event, as a cut stream's is. A flight it leads fails as it
             # would have (its followers make their own calls).
             plan.abandon(exc)
-            error = {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
             return await reply.held_failed(
-                ex, out, error, exc.recorded or exc.code or str(exc.status)
+                ex, out, exc.error(), exc.recorded or exc.code or str(exc.status)
             )
         except asyncio.CancelledError:
             out = await held.stop()
