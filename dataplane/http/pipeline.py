@@ -1020,12 +1020,12 @@ class Pipeline:
             ex.usage = Usage(0, 0)
         if not parsed:
             name = ex.endpoint.name
-            if (
-                name == "embeddings" and miscounted(obj, embedding_inputs(ex.body.get("input")))
-            ) or (name == "rerank" and misranked(obj, len(ex.body["documents"]))):
-                # Too large to be checked before it was sent (the forwarder
-                # fails a smaller one over): relayed, but never kept.
-                obj = None
+            if name in BATCHES:
+                unlike = miscounted if name == "embeddings" else misranked
+                if unlike(obj, batch_of(ex)[0]):
+                    # Too large to be checked before it was sent (the forwarder
+                    # fails a smaller one over): relayed, but never kept.
+                    obj = None
             entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
         if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
             self.cache.finish_flight(plan, None)
