@@ -280,7 +280,9 @@ async def test_the_first_origin_answering_first_cancels_the_hedge(rigs: RigMaker
 
 
 async def test_a_failing_hedge_leaves_the_first_attempt_running(rigs: RigMaker) -> None:
-    rig = await rigs(Behaviour(delay=0.2), Behaviour(status=503), Behaviour())
+    # The first attempt's 1 s leaves the hedge's 503 time to arrive before it
+    # on a loaded machine (at 0.2 s, the first answered first once in CI).
+    rig = await rigs(Behaviour(delay=1.0), Behaviour(status=503), Behaviour())
     answer = await rig.forward(hedge=SHORT)
     answer.release()
     assert (answer.target.name, answer.hedged, answer.extra_calls) == ("o1", False, 0)

@@ -393,10 +393,13 @@ async def test_builder_ignores_changes_outside_state() -> None:
 
 
 async def test_builder_debounces_bursts() -> None:
-    store, catalog, pub, builder = await seeded_builder(quiet=0.01, max_delay=0.05)
+    # The quiet period and the cap are wide against the burst's own length
+    # (20 changes 1 ms apart): on a loaded CI machine, a 10 ms quiet period
+    # and a 50 ms cap split one burst into four builds.
+    store, catalog, pub, builder = await seeded_builder(quiet=0.2, max_delay=2.0)
     async with running(builder):
         first = await asyncio.wait_for(pub.next_after(None), 1.0)
-        await asyncio.sleep(0.1)  # let the start-up build settle
+        await asyncio.sleep(0.5)  # let the start-up build settle
         before = builder.builds
         for i in range(20):
             await catalog.put_origin(
@@ -405,10 +408,10 @@ async def test_builder_debounces_bursts() -> None:
             await asyncio.sleep(0.001)
         await wait_until(
             lambda: pub.latest is not None and pub.latest.table.origins[0].weight == 20,
-            1.0,
+            5.0,
             "last change of the burst published",
         )
-        await asyncio.sleep(0.1)  # let the burst settle completely
+        await asyncio.sleep(0.5)  # let the burst settle completely
         burst_builds = builder.builds - before
         assert 1 <= burst_builds <= 3, f"{burst_builds} builds for a burst of 20 changes"
         assert pub.latest is not None and pub.latest is not first
