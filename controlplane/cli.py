@@ -287,15 +287,6 @@ def _inflight(o: pb.Origin) -> str:
     return f"{o.inflight:g}{capacity}"
 
 
-def _origins_shown(data: dict[str, Any]) -> dict[str, Any]:
-    """`get origins -o json`: each origin's inflight, null where it was not
-    measured (a zero is left out by the proto mapping, and a script would
-    read an absent one as 0 either way)."""
-    for o in data.get("origins", []):
-        o["inflight"] = None if o.get("inflight_unknown") else o.get("inflight", 0)
-    return data
-
-
 def _continuation(o: pb.Origin) -> str:
     """Whether the origin takes continuations, and whether its server (as
     probed) can: `-o json` and every write's warnings say the rest."""
@@ -2407,7 +2398,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             shown = render(regions, args.output, lambda r: _rows_regions(r, origins))
             return "\n".join([shown, *_region_notes(regions.regions, origins)])
         if args.kind == "origins":
-            return render(stub.ListOrigins(req), args.output, _rows_origins, _origins_shown)
+            return render(stub.ListOrigins(req), args.output, _rows_origins)
         if args.kind == "tenants":
             tenants = stub.ListTenants(req)
             served = frozenset(m for o in stub.ListOrigins(req).origins for m in o.models)

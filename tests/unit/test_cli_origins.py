@@ -3,9 +3,7 @@ it was read."""
 
 from __future__ import annotations
 
-import json
-
-from controlplane.cli import _origins_shown, _rows_origins, render
+from controlplane.cli import _rows_origins
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -56,12 +54,3 @@ def test_continuation_on_a_server_that_cannot_continue_says_to_turn_it_off() -> 
         "gpu-other": "on",
         "hosted": "off",
     }
-
-
-def test_json_says_an_unmeasured_load_is_null() -> None:
-    shown = json.loads(render(origins(), "json", _rows_origins, _origins_shown))["origins"]
-    by_name = {o["name"]: o for o in shown}
-    assert by_name["gpu-other"]["inflight"] is None
-    assert by_name["gpu-llama"]["inflight"] == 8
-    assert by_name["gpu-vllm"]["inflight"] == 0  # measured: there, though a zero
-    assert by_name["gpu-llama"]["server_kind"] == "llamacpp"
