@@ -952,19 +952,29 @@ class Metrics:
         limited[tenant] = counts
         return counts
 
-    def forget_tenants(self, present: Collection[str]) -> None:
-        """Drop the per-tenant series of the tenants not in `present` (the
-        route table's, after each table): a deleted tenant's requests and
-        tokens were exported until the proxy restarted (trial 68: two series
-        per deleted tenant per proxy, for good). The open fleet's tenant is
-        never one to drop."""
+    def forget_callers(self, tenants: Collection[str], keys: Collection[str]) -> None:
+        """Drop the per-tenant series of the tenants not in `tenants` and, with
+        key labels, those of the API keys not in `keys` (the route table's,
+        after each table: a revoked key is not in it), with the cells kept for
+        them: a deleted tenant's requests and tokens were exported until the
+        proxy restarted (trial 68), and so were a revoked key's (trial 82:
+        three series or more per key ever used, per process, for good; a
+        fleet that rotates keys grew without bound). The open fleet's tenant,
+        open mode's "-" and a tenant's `jwt:TENANT` are never ones to drop."""
+
+        def caller_kept(tenant: str, key: str) -> bool:
+            if tenant not in tenants and tenant != OPEN_TENANT:
+                return False
+            return key in ("", "-") or key.startswith("jwt:") or key in keys
 
         def kept(values: tuple[str, ...]) -> bool:
-            return values[0] in present or values[0] == OPEN_TENANT
+            return caller_kept(values[0], values[1] if self.key_labels else "")
 
         for values in self.tenant_requests.forget(kept):
             self._requests_of.pop(values, None)
-        self._requests_by = {k: cell for k, cell in self._requests_by.items() if kept(k[:1])}
+        self._requests_by = {
+            k: cell for k, cell in self._requests_by.items() if caller_kept(k[0], k[1])
+        }
         for values in self.tenant_tokens.forget(kept):
             self._tokens_for.pop(values[:-1], None)  # less the token type
         self.tenant_estimated_tokens.forget(kept)

@@ -503,6 +503,11 @@ class Authenticator:
         return self._load_problems
 
     @property
+    def key_ids(self) -> Collection[str]:
+        """The ids of the API keys it knows (the table's: no revoked key)."""
+        return self._keys.keys()
+
+    @property
     def open(self) -> bool:
         """True when nothing is configured: every request is `OPEN_PRINCIPAL`."""
         return self._is_open

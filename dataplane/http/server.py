@@ -180,7 +180,9 @@ class Proxy:
         )
         m.endpoints_proxied(ENDPOINTS)
         holder.on_apply.append(lambda routes, policy: m.origins_named(routes.origins))
-        holder.on_apply.append(lambda routes, policy: m.forget_tenants(policy.tenants))
+        holder.on_apply.append(
+            lambda routes, policy: m.forget_callers(policy.tenants, policy.authenticator.key_ids)
+        )
         holder.on_apply.append(lambda routes, policy: quota.on_limits(policy.limits))
         holder.on_apply.append(lambda routes, policy: cache.on_policy(policy))
         self.stalls = stalls = Stalls(settings.unhealthy_stream_idle_timeout)

@@ -145,3 +145,23 @@ async def test_a_deleted_tenants_series_leave_the_metrics_with_it(stack: Stack) 
     assert tenants_exported() == {"acme", "beta"}
     apply(stack, 4, tenants()[:1], keys(KEY.key_id)[:2])  # beta and its key deleted
     assert tenants_exported() == {"acme"}
+
+
+async def test_a_revoked_keys_series_leave_the_metrics_with_it(stack: Stack) -> None:
+    """Trial 82: a revoked key's requests and tokens were exported until the
+    proxy restarted, three series or more per key ever used per process."""
+
+    def keys_exported() -> set[str]:
+        text = generate_latest(stack.app[METRICS].registry).decode()
+        return {
+            line.split('key="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith(("ponto_tenant_requests_total{", "ponto_tenant_tokens_total{"))
+        }
+
+    apply(stack, 4, tenants(), keys())
+    for key in (KEY, NARROW):
+        assert (await stack.post(chat("hi"), key=key.key)).status == 200
+    assert keys_exported() == {KEY.key_id, NARROW.key_id}
+    apply(stack, 5, tenants(), [k for k in keys() if k.id != NARROW.key_id])  # NARROW revoked
+    assert keys_exported() == {KEY.key_id}

@@ -131,7 +131,7 @@ def test_jwt_callers_are_labelled_by_their_tenant_not_their_subject() -> None:
 
 
 def test_a_forgotten_tenant_counts_from_zero_when_it_comes_back() -> None:
-    """forget_tenants drops a deleted tenant's series; the cells kept for its
+    """forget_callers drops a deleted tenant's series; the cells kept for its
     next requests go with them, or its counts would move cells no longer
     exported."""
     m = Metrics()
@@ -139,7 +139,7 @@ def test_a_forgotten_tenant_counts_from_zero_when_it_comes_back() -> None:
         for _ in range(2):
             m.account_request(tenant, "key-1", 200)
             m.account_tokens(tenant, "key-1", Usage(3, 5))
-    m.forget_tenants({"beta"})
+    m.forget_callers({"beta"}, {"key-1"})
     get = m.registry.get_sample_value
     acme = {"tenant": "acme", "key": "key-1"}
     assert get("ponto_tenant_requests_total", {**acme, "code": "200"}) is None
@@ -153,6 +153,39 @@ def test_a_forgotten_tenant_counts_from_zero_when_it_comes_back() -> None:
     beta = {"tenant": "beta", "key": "key-1"}
     assert get("ponto_tenant_requests_total", {**beta, "code": "200"}) == 3
     assert get("ponto_tenant_tokens_total", {**beta, "kind": "prompt"}) == 6
+
+
+def test_a_revoked_keys_series_go_with_the_table_that_no_longer_has_it() -> None:
+    """A key not in the table (revoked) has its series and cells dropped, as a
+    deleted tenant's are; the table's keys, open mode's and a tenant's JWT
+    callers' stay (trial 82: each key ever used kept its series for good)."""
+    m = Metrics()
+    for key in ("keep1", "gone1", "jwt:acme:alice"):
+        m.account_request("acme", key, 200)
+        m.account_tokens("acme", key, Usage(3, 5, exact=False))
+    m.account_request("default", "", 200)
+    m.forget_callers({"acme"}, {"keep1"})
+    get = m.registry.get_sample_value
+    text = generate_latest(m.registry).decode()
+    assert "gone1" not in text
+    assert get("ponto_tenant_requests_total", {"tenant": "acme", "key": "keep1", "code": "200"})
+    assert get("ponto_tenant_tokens_total", {"tenant": "acme", "key": "jwt:acme", "kind": "prompt"})
+    assert get("ponto_tenant_requests_total", {"tenant": "default", "key": "-", "code": "200"})
+    assert ("acme", "gone1", 200) not in m._requests_by
+    assert ("acme", "gone1") not in m._tokens_for
+    m.account_request("acme", "gone1", 200)  # its id again (no such key: a test's shortcut)
+    gone = {"tenant": "acme", "key": "gone1", "code": "200"}
+    assert get("ponto_tenant_requests_total", gone) == 1
+
+
+def test_without_key_labels_a_revoked_keys_cells_go_and_its_tenants_series_stay() -> None:
+    m = Metrics(key_labels=False)
+    m.account_request("acme", "gone1", 200)
+    m.forget_callers({"acme"}, set())
+    assert m._requests_by == {}
+    m.account_request("acme", "keep1", 200)
+    get = m.registry.get_sample_value
+    assert get("ponto_tenant_requests_total", {"tenant": "acme", "code": "200"}) == 2
 
 
 def test_the_regional_cache_is_up_or_degraded_only_when_there_is_one() -> None:
