@@ -51,6 +51,7 @@ async def test_the_docs_apply_examples_pass_a_dry_run() -> None:
     assert {name for name, _ in examples} == {
         "README.md",
         "helm.md",
+        "migrating-from-litellm.md",
         "operations.md",
         "routing.md",
         "security.md",
