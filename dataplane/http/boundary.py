@@ -585,9 +585,11 @@ def _path_hint(request: web.Request) -> str:
     one of them (a parameter's too: /v1/models/{model}) without the /v1
     prefix, with it twice, under /v2 (Cohere v2's /v2/rerank), or with a
     trailing slash (trial 51: an SDK's
-    base_url without /v1 got a bare "Not Found"); else, under /v1/ and for
-    an endpoint none of whose paths the gateway has, that it does not serve
-    it and the API paths it does serve (those without a parameter); else "".
+    base_url without /v1 got a bare "Not Found"); else, for a path of a
+    gateway's admin API (`_management_path`), that keys, limits and spend are
+    pontoctl's, and the API paths it serves (those without a parameter); else,
+    under /v1/ and for an endpoint none of whose paths the gateway has, that
+    it does not serve it and those paths; else "".
     Only 404s pay for it."""
     path = request.path
     meant = path.rstrip("/")
@@ -606,6 +608,15 @@ def _path_hint(request: web.Request) -> str:
             pattern = info.get("pattern")
             if info.get("path") == meant or (pattern is not None and pattern.fullmatch(meant)):
                 return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+    served = ", ".join(sorted(r.canonical for r in resources if isinstance(r, PlainResource)))
+    if _management_path(path):
+        # A team moving from LiteLLM's proxy calls its admin API on the proxy
+        # (trial 81: /key/generate answered a bare "Not Found", read as a
+        # wrong URL): say where that work is done here.
+        return (
+            "; the proxy has no management API: keys, limits, budgets and spend"
+            " are managed with pontoctl on the control plane (the proxy serves " + served + ")"
+        )
     endpoint = path[4:].partition("/")[0]
     if path.startswith("/v1/") and all(
         r.canonical[4:].partition("/")[0] != endpoint for r in resources
@@ -615,13 +626,23 @@ def _path_hint(request: web.Request) -> str:
         # new user's trial). A wrong path under one it serves
         # (/v1/responses/ID/input_item) is only not found. The status stays
         # OpenAI's for an unknown path.
-        served = {r.canonical for r in resources if isinstance(r, PlainResource)}
-        return (
-            "; this gateway does not serve that endpoint (it serves "
-            + ", ".join(sorted(served))
-            + ")"
-        )
+        return "; this gateway does not serve that endpoint (it serves " + served + ")"
     return ""
+
+
+# The first segments of LiteLLM's proxy admin API (virtual keys, teams, users,
+# spend, budgets, model management), under / or /v1/ as it serves them.
+_MANAGEMENT: Final = frozenset(
+    {"key", "team", "user", "spend", "model", "global", "budget", "customer", "organization"}
+)
+
+
+def _management_path(path: str) -> bool:
+    """Whether `path` is one of a gateway admin API's (LiteLLM's /key/generate,
+    /model/info, /spend/logs, with or without /v1), which a proxy never
+    serves."""
+    rest = path[3:] if path.startswith("/v1/") else path
+    return rest.startswith("/") and rest[1:].partition("/")[0] in _MANAGEMENT
 
 
 def _client(request: web.BaseRequest, trusted: TrustedProxies) -> str | None:

@@ -157,6 +157,36 @@ async def test_a_404_for_an_openai_endpoint_not_proxied_names_those_that_are(
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/key/generate"),
+        ("GET", "/key/info"),
+        ("GET", "/model/info"),
+        ("GET", "/v1/model/info"),
+        ("GET", "/spend/logs"),
+        ("POST", "/team/new"),
+        ("GET", "/user"),
+    ],
+)
+async def test_a_404_for_a_gateway_admin_path_says_where_keys_and_limits_are_managed(
+    stack: Stack, method: str, path: str
+) -> None:
+    # A team moving from LiteLLM's proxy calls its admin API on the proxy
+    # (trial 81): a bare "Not Found" read as a wrong host or port.
+    resp = await stack.client.request(method, path, headers=AUTH, json={"models": [MODEL]})
+    assert resp.status == 404
+    err = error_of(await resp.json())
+    assert err["code"] == "not_found"
+    assert err["message"] == (
+        f"{method} {path}: Not Found; the proxy has no management API: keys, limits,"
+        " budgets and spend are managed with pontoctl on the control plane (the proxy"
+        " serves /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,"
+        " /v1/rerank, /v1/responses)"
+    )
+    assert stack.origins[0].app[SIM_STATE].stats.last_request is None
+
+
 async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_its_url(
     stack: Stack,
 ) -> None:
