@@ -585,7 +585,8 @@ def _path_hint(request: web.Request) -> str:
     one of them (a parameter's too: /v1/models/{model}) without the /v1
     prefix, with it twice, under /v2 (Cohere v2's /v2/rerank), or with a
     trailing slash (trial 51: an SDK's
-    base_url without /v1 got a bare "Not Found"); else, for a path of a
+    base_url without /v1 got a bare "Not Found"); else, under /health/, the
+    proxy's probes; else, for a path of a
     gateway's admin API (`_management_path`), that keys, limits and spend are
     pontoctl's, and the API paths it serves (those without a parameter); else,
     under /v1/ and for an endpoint none of whose paths the gateway has, that
@@ -608,6 +609,10 @@ def _path_hint(request: web.Request) -> str:
             pattern = info.get("pattern")
             if info.get("path") == meant or (pattern is not None and pattern.fullmatch(meant)):
                 return f"; did you mean {meant}? (an OpenAI SDK's base_url ends with /v1)"
+    if path.startswith("/health/"):
+        # LiteLLM's probes (/health/liveliness, /health/readiness), kept in a
+        # Deployment's manifest when its image changes.
+        return "; the proxy's probes are /healthz (liveness) and /readyz (readiness)"
     served = ", ".join(sorted(r.canonical for r in resources if isinstance(r, PlainResource)))
     if _management_path(path):
         # A team moving from LiteLLM's proxy calls its admin API on the proxy

@@ -187,6 +187,19 @@ async def test_a_404_for_a_gateway_admin_path_says_where_keys_and_limits_are_man
     assert stack.origins[0].app[SIM_STATE].stats.last_request is None
 
 
+@pytest.mark.parametrize("path", ["/health/liveliness", "/health/readiness"])
+async def test_a_404_under_health_names_the_proxys_probes(stack: Stack, path: str) -> None:
+    # LiteLLM's probe paths, kept in a manifest when the image changes
+    # (trial 81): a bare "Not Found" restarts pods with no reason given.
+    resp = await stack.client.get(path)
+    assert resp.status == 404
+    err = error_of(await resp.json())
+    assert err["code"] == "not_found"
+    assert err["message"] == (
+        f"GET {path}: Not Found; the proxy's probes are /healthz (liveness) and /readyz (readiness)"
+    )
+
+
 async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_its_url(
     stack: Stack,
 ) -> None:
