@@ -81,6 +81,13 @@ ATTEMPT_SHARE = 1 / 3
 # connection closes and the watches on it are made again elsewhere
 # (etcd3aio's 5 s held a watch on a hung member that long after the ping).
 KEEPALIVE_TIMEOUT_MS = 2000
+# The largest answer taken from etcd, as etcd's own Go client takes (its
+# MaxCallRecvMsgSize, math.MaxInt32): the state is read whole at one revision
+# (Catalog.snapshot), and gRPC's default of 4 MiB stopped every build past
+# about 10,000 API keys (trial 83: RESOURCE_EXHAUSTED, the fleet frozen on its
+# last table while keys were still created). What etcd holds is bounded by
+# its --quota-backend-bytes instead (2 GiB by default).
+MAX_ANSWER_BYTES = 2**31 - 1
 # gRPC's words for a call that never left this process (no connection to
 # the member, a name that did not resolve): a write failed so is retried on
 # the next member, as it cannot have been applied.
@@ -357,6 +364,7 @@ class EtcdStore:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
         ]
         return client
 

@@ -816,6 +816,20 @@ async def test_a_request_past_etcds_request_limit_is_refused_by_both(store: Stat
     assert await store.get(P + "big/over") is None and await store.get(P + "big/a") is None
 
 
+async def test_a_listing_past_grpcs_default_answer_size_is_read_whole(
+    store: StateStore,
+) -> None:
+    """The state is read in one listing (Catalog.snapshot): one of more than
+    gRPC's default 4 MiB answer (about 10,000 API keys) is read whole, as
+    etcd's own client reads it."""
+    value = b"z" * (MAX_REQUEST_BYTES - 4096)
+    for i in range(4):
+        await store.put(f"{P}wide/{i}", value)
+    listing = await store.list(P + "wide/")
+    assert [len(kv.value) for kv in listing.items] == [len(value)] * 4
+    assert sum(len(kv.value) for kv in listing.items) > 4 * 1024 * 1024
+
+
 async def test_commit_is_one_change_to_watchers(store: StateStore) -> None:
     start = await store.put(P + "w2/seed", b"0")
     watcher = Watcher(store, P + "w2/", start)
