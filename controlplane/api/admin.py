@@ -122,7 +122,9 @@ async def checked(warnings: Awaitable[Sequence[str]], unchecked: str) -> Sequenc
     try:
         return await asyncio.wait_for(warnings, WARNINGS_READ_S)
     except (Unavailable, TimeoutError) as exc:
-        log.warning("%s: %s", unchecked, exc or f"no answer within {WARNINGS_READ_S:g} s")
+        # A timeout says nothing (str(TimeoutError()) is ""), and an exception
+        # is never false: its text is what may be empty.
+        log.warning("%s: %s", unchecked, str(exc) or f"no answer within {WARNINGS_READ_S:g} s")
         return ()
 
 

@@ -13,7 +13,13 @@ import grpc
 import orjson
 import pytest
 
-from controlplane.api.admin import WARNINGS_BYTES, AdminService, warnings_metadata
+from controlplane.api.admin import (
+    WARNINGS_BYTES,
+    WARNINGS_READ_S,
+    AdminService,
+    checked,
+    warnings_metadata,
+)
 from controlplane.apply import Current, parse, plan
 from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
@@ -232,3 +238,17 @@ async def test_a_token_default_above_the_max_tokens_ceiling_is_warned_of() -> No
         "chat.completions", body, PromptRules(defaults={"max_tokens": 5000}, max_tokens_ceiling=100)
     )
     assert body["max_tokens"] == 100
+
+
+async def test_a_warnings_read_that_times_out_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A write's warnings not read in time are logged with why, not with an
+    empty reason (trial 83: `... refuse the route table: ` at 20,000 keys)."""
+
+    async def late() -> list[str]:
+        raise TimeoutError
+
+    with caplog.at_level("WARNING", logger="controlplane.api.admin"):
+        assert await checked(late(), "write saved; not checked") == ()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"write saved; not checked: no answer within {WARNINGS_READ_S:g} s"
+    ]
