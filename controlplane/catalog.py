@@ -34,7 +34,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, TypeVar
 
@@ -382,6 +382,19 @@ class Catalog:
     async def put_health(self, health: OriginHealth, *, fence: Fence | None = None) -> None:
         """Leader-only write; with a fence it raises Conflict once leadership is lost."""
         await _guard(self.store.put(HEALTH + health.origin, encode(health), fence=fence))
+
+    async def put_healths(
+        self, healths: Sequence[OriginHealth], *, fence: Fence | None = None
+    ) -> None:
+        """As put_health, for several origins in as few transactions as etcd
+        takes (MAX_TXN_OPS): one table is rebuilt for them, not one each.
+        A transaction is all or nothing; one that failed leaves those before
+        it written."""
+        checks = [fence] if fence is not None else []
+        step = MAX_TXN_OPS - len(checks)
+        for i in range(0, len(healths), step):
+            writes = [Write(HEALTH + h.origin, encode(h)) for h in healths[i : i + step]]
+            await _guard(self.store.commit(writes, checks))
 
     # ------------------------------------------------------------ regions
 

@@ -22,7 +22,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -71,9 +71,6 @@ class _Track:
     failures: int = 0
     written: OriginHealth | None = None
     detail: str = ""
-    # When this process last wrote the origin's health (loop time): a record
-    # read from the store, written by another leader, carries its wall clock.
-    written_at: float = -math.inf
     # Metrics pages refused in a row (a non-200): one alone keeps the last
     # figures (review: each lost page flipped the load to unknown and back,
     # two tables and a spill each way).
@@ -188,45 +185,47 @@ def health_line(health: OriginHealth, fall: int, *, passed: bool = False) -> str
     return f"origin {name} is healthy"
 
 
-# A change of load alone is written at most this often per origin (by this
-# leader's monotonic clock: the records' `checked_at` are wall clocks, maybe
-# another leader's). The table's loads serve spilling between regions,
-# which a few seconds' lag does not hurt (placement inside a region reads the
-# live loads, /ponto/load, every half second), while each write rebuilds and
-# pushes the table: an origin of capacity 4 moves by a tenth of it with every
-# request, and trial 19 saw two tables a second under three clients.
+# Changes of load alone are written at most this often, for all origins
+# together (by this leader's monotonic clock: the records' `checked_at` are
+# wall clocks, maybe another leader's), in as few transactions as etcd takes,
+# so that they rebuild and push one table, not one per origin: each write
+# rebuilds and pushes the table, an origin of capacity 4 moves by a tenth of
+# it with every request, and a limit per origin still let N origins push N/5
+# tables a second (trial 84: 4 origins, about one a second; 300 would push
+# 60). The table's loads serve spilling between regions and what operators
+# read, which a few seconds' lag does not hurt: placement inside a region
+# reads the live loads (/ponto/load, every half second, no table).
 LOAD_WRITE_INTERVAL_S = 5.0
 
+# What a probe's result changes of the record last written (`change`).
+UNCHANGED: Final = ""
+LOAD: Final = "load"  # its load alone: written with the fleet's next loads
+AT_ONCE: Final = "at once"  # what proxies or operators must see now
 
-def worth_writing(
-    old: OriginHealth | None,
-    new: OriginHealth,
-    capacity: int,
-    since: float = math.inf,
-    *,
-    passed: bool = False,
-) -> bool:
-    """Whether `new` is to be written over `old`, the last written (`since`
-    seconds ago by this process; infinite when another wrote it): a first
+
+def change(
+    old: OriginHealth | None, new: OriginHealth, capacity: int, *, passed: bool = False
+) -> str:
+    """What `new` changes of `old`, the last written: AT_ONCE for a first
     result, a flip of health, a new reason while unhealthy, a new detail of
     a probe that `passed` while healthy (a 401 with a credential, or an old
-    first failure it clears), or (with a stated capacity) a move of load by a
-    tenth of it, at most every LOAD_WRITE_INTERVAL_S; while healthy, a new
-    server kind, or load figures that come or go. A failure that does not
-    flip health is not written: one lost probe would push two tables."""
+    first failure it clears), and while healthy a new server kind or load
+    figures that come or go; LOAD for (with a stated capacity) a move of
+    load by a tenth of it; else UNCHANGED. A failure that does not flip
+    health is no change: one lost probe would push two tables."""
     if old is None or old.healthy != new.healthy:
-        return True
+        return AT_ONCE
     if old.detail != new.detail and (passed or not new.healthy):
-        return True
+        return AT_ONCE
     if not new.healthy:
-        return False
+        return UNCHANGED
     if old.server_kind != new.server_kind or old.inflight_unknown != new.inflight_unknown:
-        return True  # what the operator reads of the origin's load changed
-    if capacity:
-        # A change of a tenth of capacity, not a crossing of a rounding edge:
-        # jitter around an edge would otherwise push a table every probe.
-        return abs(new.inflight - old.inflight) >= capacity / 10 and since >= LOAD_WRITE_INTERVAL_S
-    return False
+        return AT_ONCE  # what the operator reads of the origin's load changed
+    # A change of a tenth of capacity, not a crossing of a rounding edge:
+    # jitter around an edge would otherwise push a table every probe.
+    if capacity and abs(new.inflight - old.inflight) >= capacity / 10:
+        return LOAD
+    return UNCHANGED
 
 
 class Prober:
@@ -238,7 +237,9 @@ class Prober:
         may_write: Callable[[], bool] = lambda: True,
         fence: Callable[[], Fence | None] = lambda: None,
         metrics: ControlMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` (monotonic seconds) spaces the writes of loads alone."""
         self._catalog = catalog
         self._settings = settings
         self._metrics = metrics if metrics is not None else ControlMetrics()
@@ -246,6 +247,9 @@ class Prober:
         self._fence = fence
         self._defects = Defects(log, "health rounds")
         self._tracks: dict[str, _Track] = {}
+        self._clock = clock
+        # When this process last wrote the loads that moved (LOAD_WRITE_INTERVAL_S).
+        self._loads_written_at = -math.inf
         self.rounds = 0
 
     async def run(self) -> None:
@@ -297,10 +301,19 @@ class Prober:
                 self._tracks[origin.name] = _Track(
                     healthy=stored.healthy if stored else True, written=stored
                 )
-        await asyncio.gather(*(self._probe(session, o) for o in probed))
+        moved = await asyncio.gather(*(self._probe(session, o) for o in probed))
+        now = self._clock()
+        if now - self._loads_written_at >= LOAD_WRITE_INTERVAL_S:
+            loads = [h for h in moved if h is not None]
+            if loads and self._may_write() and await self._write_all(loads):
+                for h in loads:
+                    self._tracks[h.origin].written = h
+                self._loads_written_at = now
         self.rounds += 1
 
-    async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> None:
+    async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
+        """Probe `origin` and write what changed at once; return its result
+        when its load alone moved (probe_all writes those together), else None."""
         track = self._tracks[origin.name]
         root = root_of(origin.base_url)
         path = origin.probe_path or self._settings.path
@@ -343,26 +356,31 @@ class Prober:
             server_kind=kind,
             inflight_unknown=unknown,
         )
-        now = asyncio.get_running_loop().time()
-        since = now - track.written_at
-        if self._may_write() and worth_writing(
-            track.written, new, origin.capacity, since, passed=ok
-        ):
+        what = change(track.written, new, origin.capacity, passed=ok)
+        if what == LOAD:
+            return new
+        if what == AT_ONCE and self._may_write():
             flipped = track.written is None or track.written.healthy != new.healthy
-            if not await self._write(new):
-                return
-            track.written, track.written_at = new, now
-            if flipped:
-                log.info("%s", health_line(new, self._settings.fall, passed=ok))
+            if await self._write(new):
+                track.written = new
+                if flipped:
+                    log.info("%s", health_line(new, self._settings.fall, passed=ok))
+        return None
 
     async def _write(self, health: OriginHealth) -> bool:
         """Store `health`; False (and logged) when it could not be."""
+        return await self._write_all([health], f"health of {health.origin}")
+
+    async def _write_all(self, healths: list[OriginHealth], what: str = "") -> bool:
+        """Store `healths` (Catalog.put_healths); False (and logged) when
+        they could not all be."""
+        what = what or f"the loads of {len(healths)} origins"
         try:
-            await self._catalog.put_health(health, fence=self._fence())
+            await self._catalog.put_healths(healths, fence=self._fence())
         except Unavailable as exc:
-            log.warning("cannot record health of %s: %s", health.origin, exc)
+            log.warning("cannot record %s: %s", what, exc)
             return False
         except Conflict:
-            log.warning("not recording health of %s: no longer the leader", health.origin)
+            log.warning("not recording %s: no longer the leader", what)
             return False
         return True

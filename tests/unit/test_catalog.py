@@ -22,6 +22,7 @@ from controlplane.messages import origin_of
 from controlplane.model import (
     DEFAULT_WEIGHT,
     Origin,
+    OriginHealth,
     PromptPolicy,
     ProxyRecord,
     Region,
@@ -29,6 +30,7 @@ from controlplane.model import (
     decode_origin,
     encode,
 )
+from controlplane.store import Conflict, Fence
 from controlplane.store.memory import MemoryStore
 
 
@@ -533,3 +535,21 @@ async def test_acks_fall_back_to_any_summary_and_old_shapes(
     assert (p1.acked_version, p1.replica_version) == (7, 0)
     await store.put(ACKS + "cp-8", b"not json")
     assert [p.acked_version for p in await catalog.list_proxies()] == [7]
+
+
+async def test_put_healths_writes_many_origins_in_as_few_transactions_as_etcd_takes(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    """The loads of 300 origins are three transactions (127 and a fence
+    each), three revisions a builder's debounce takes as one table, not 300;
+    and none once the fence (leadership) is lost."""
+    leader = await store.put("/ponto/leader", b"me")
+    healths = [OriginHealth(f"o{i:03d}", healthy=True, inflight=i % 9) for i in range(300)]
+    before = (await catalog.snapshot()).revision
+    await catalog.put_healths(healths, fence=Fence("/ponto/leader", leader))
+    state = await catalog.snapshot()
+    assert state.revision == before + 3
+    assert [state.health[h.origin].inflight for h in healths] == [h.inflight for h in healths]
+    with pytest.raises(Conflict):
+        await catalog.put_healths(healths[:1], fence=Fence("/ponto/leader", leader + 99))
+    assert (await catalog.snapshot()).revision == before + 3

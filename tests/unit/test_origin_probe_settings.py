@@ -17,13 +17,15 @@ from controlplane.cli import HEALTH_CHARS, _health, _origin_spec, _parser, _rows
 from controlplane.compile import compile_table
 from controlplane.errors import InvalidArgument
 from controlplane.health import (
+    AT_ONCE,
+    UNCHANGED,
     Prober,
     ProbeSettings,
     _Track,
+    change,
     health_line,
     judge,
     verdict,
-    worth_writing,
 )
 from controlplane.loadsync import targets
 from controlplane.messages import origin_of
@@ -117,12 +119,12 @@ def test_a_passing_probes_detail_is_kept_while_healthy() -> None:
 def test_a_new_detail_of_a_passing_probe_is_written_but_not_a_failures_while_healthy() -> None:
     plain = OriginHealth("o", healthy=True)
     note = OriginHealth("o", healthy=True, detail="probe answered 401 at /health: up")
-    assert worth_writing(plain, note, 0, passed=True)
-    assert worth_writing(note, plain, 0, passed=True)  # an old first failure, cleared
-    assert not worth_writing(note, note, 0, passed=True)
+    assert change(plain, note, 0, passed=True) == AT_ONCE
+    assert change(note, plain, 0, passed=True) == AT_ONCE  # an old first failure, cleared
+    assert change(note, note, 0, passed=True) == UNCHANGED
     # One failed probe that does not flip health pushes no table.
     failing = OriginHealth("o", healthy=True, detail="probe answered 503 at /health")
-    assert not worth_writing(plain, failing, 0, passed=False)
+    assert change(plain, failing, 0, passed=False) == UNCHANGED
 
 
 def test_the_log_line_of_a_pass_with_a_detail_does_not_count_down_to_a_failure() -> None:
