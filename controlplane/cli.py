@@ -803,7 +803,7 @@ def _parser() -> argparse.ArgumentParser:
         type=finite_float,
         metavar="FACTOR",
         help="a replica past FACTOR (1..100) times its share of the region's load (and "
-        "its capacity) loses new sessions to the next one; 0 = the default, 1.25",
+        "its capacity) loses new sessions to the next one; 0 = the default, 1.05",
     )
     ts.add_argument(
         "--continuation",

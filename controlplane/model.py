@@ -877,7 +877,7 @@ class RoutingPolicy:
     mode: str = ""  # "": affinity for chat and completions, least-loaded for embeddings, rerank
     models: tuple[tuple[str, str], ...] = ()  # (model, mode) overrides
     user_sessions: bool = False
-    load_bound: float = 0.0  # 0: the proxy's default (1.25)
+    load_bound: float = 0.0  # 0: the proxy's default (1.05)
 
     def validated(self, owner: str) -> RoutingPolicy:
         for where, mode in (("mode", self.mode), *((f"models.{k}", m) for k, m in self.models)):

@@ -729,7 +729,7 @@ class RoutingPolicy(_message.Message):
     load_bound: _builtins.float
     """A replica is past its load bound when it holds more than this multiple of
     its weighted share of the region's load (consistent hashing with bounded
-    loads); 0 means the default (1.25). Sessions and prefixes leave their
+    loads); 0 means the default (1.05). Sessions and prefixes leave their
     replica only then, or when it is unhealthy.
     """
     @_builtins.property
