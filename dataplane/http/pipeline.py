@@ -88,6 +88,7 @@ from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.ratelimit.limiter import Admission, RateLimiter, format_duration
 from dataplane.ratelimit.tokens import (
     completion_bound,
+    completion_choices,
     continues_stored,
     estimate_prompt_tokens,
 )
@@ -668,14 +669,17 @@ class Pipeline:
         # Only a budget's charge reads it. Not of a request whose prompt the
         # estimate cannot see whole (a Responses turn on stored state): the
         # completion expected also stands for that prompt (review).
-        most = None
+        most, choices = None, 1
         if limiter.budgeted and not continues_stored(ex.endpoint.name, ex.body):
             most = completion_bound(ex.endpoint.name, ex.body)
+            choices = completion_choices(ex.body)
         now = time.monotonic()
-        admission = limiter.admit(scopes, ex.estimate, now, most=most)
+        admission = limiter.admit(scopes, ex.estimate, now, most=most, choices=choices)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
             try:
-                admission = await admit_when_slot_frees(limiter, scopes, ex.estimate, now, most)
+                admission = await admit_when_slot_frees(
+                    limiter, scopes, ex.estimate, now, most, choices
+                )
             except asyncio.CancelledError:
                 # The client left during the wait (a 499), or the proxy
                 # stopped the request as it shut down: a wait all the same.
@@ -1620,6 +1624,7 @@ async def admit_when_slot_frees(
     estimate: int,
     refused_at: float,
     most: int | None = None,
+    choices: int = 1,
 ) -> Admission:
     """Admit once a slot is free here (a share brought one, or a request here
     ended); refuse once a share says the wait is pointless (no spare slots in
@@ -1644,7 +1649,7 @@ async def admit_when_slot_frees(
                 break
     finally:
         limiter.wait_end(scopes)
-    return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most)
+    return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most, choices=choices)
 
 
 # The endpoints whose requests are batches of items an answer accounts for.

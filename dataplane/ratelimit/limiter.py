@@ -339,15 +339,19 @@ def _repaid_at(bucket: TokenBucket | None, now: float, wall: float) -> float:
     return round(wall - bucket.level / bucket.rate, 1)
 
 
-def _expected(st: _Scope, est_tokens: int, most: int | None) -> float:
+def _expected(st: _Scope, est_tokens: int, most: int | None, choices: int = 1) -> float:
     """The completion a budgeted scope is charged beforehand for a prompt of
-    `est_tokens`: its expected completion, no more than the request's bound
+    `est_tokens`: its expected completion times the `choices` asked for (`n`:
+    each is an answer's length; trial 86: an `n: 8` request was charged one),
+    no more than the request's bound
     (`most`: see tokens.completion_bound; None: it states none), and capped
     so that prompt and completion fit the smallest budget whole. A prompt
     that fits it, but not with the completion expected, was refused as
     spent, and so again every period, or until the completions of the
     others got shorter."""
-    expected = st.completion if most is None or most > st.completion else float(most)
+    expected = st.completion * choices
+    if most is not None and most < expected:
+        expected = float(most)
     # Whole tokens (rounded up: an estimate), so that the counts, settled
     # to the answers' whole counts, are whole too (a moving average's
     # fractions were left in them: ledgers of 18804.917 tokens).
@@ -373,6 +377,7 @@ class Admission:
     """
 
     __slots__ = (
+        "_choices",
         "_day",
         "_most",
         "_open",
@@ -415,6 +420,7 @@ class Admission:
         # budgeted scope.
         self._reserved: list[float] | None = None
         self._most: int | None = None  # the completion's bound it stated
+        self._choices = 1  # the completions it asked for (n)
         self._day = 0  # the UTC day its budgets were charged in
 
     @property
@@ -462,13 +468,15 @@ class Admission:
                     st.month_used = max(0.0, st.month_used + settle)
                 else:
                     _settle_closed(st, self._day, settle)
-                if actual_tokens and (self._most is None or self._most >= st.completion):
+                choices = self._choices
+                if actual_tokens and (self._most is None or self._most >= st.completion * choices):
                     # Learned of answers an origin made (not a hit, nor one
                     # given back: 0) and not cut short by a bound below what
-                    # is expected (a `max_tokens: 1` says nothing of the rest).
+                    # is expected (a `max_tokens: 1` says nothing of the rest),
+                    # per completion: an `n: 8` answer is eight of them.
                     st.answers += 1
                     weight = max(COMPLETION_WEIGHT, 1.0 / (st.answers + 1))
-                    st.completion += weight * (max(0, delta) - st.completion)
+                    st.completion += weight * (max(0, delta) / choices - st.completion)
             if delta:
                 st.attempt_tokens += delta
                 tok = st.tok
@@ -1035,11 +1043,14 @@ class RateLimiter:
         *,
         again: bool = False,
         most: int | None = None,
+        choices: int = 1,
     ) -> Admission:
         """Admit a request against every limited scope in `scopes`, or none.
         `most`: the most its completion can come to, as it states it
         (tokens.completion_bound; None: unbounded), which caps what a budget
-        is charged for it beforehand.
+        is charged for it beforehand; `choices`: the completions it asks for
+        (tokens.completion_choices), each charged the completion a budget
+        expects.
 
         All scopes are checked before any is charged, so a refusal leaves no
         trace but the demand it shows. Scopes without limits cost one dict
@@ -1106,7 +1117,9 @@ class RateLimiter:
                 if refused is None or w > wait:
                     refused, wait, refused_by = "tokens", w, st
             if st.budgeted:
-                short = self._over_budget(st, est_tokens + _expected(st, est_tokens, most), now)
+                short = self._over_budget(
+                    st, est_tokens + _expected(st, est_tokens, most, choices), now
+                )
                 if short is not None and (refused is None or short[1] > wait):
                     refused, wait, refused_by = short[0], short[1], st
                     exhausted = short[2]
@@ -1135,12 +1148,13 @@ class RateLimiter:
                 # prompts' estimates do not pass it by their completions.
                 if reserved is None:
                     reserved = [0.0] * len(found)
-                reserved[i] = expected = _expected(st, est_tokens, most)
+                reserved[i] = expected = _expected(st, est_tokens, most, choices)
                 st.day_used += est_tokens + expected
                 st.month_used += est_tokens + expected
         admission = Admission(True, found, est_tokens)
         admission._reserved = reserved
         admission._most = most
+        admission._choices = choices
         admission._day = self._day
         return admission
 

@@ -288,12 +288,20 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
             break
     if type(bound) is not int or bound < 0:
         return None
+    return bound * completion_choices(body)
+
+
+def completion_choices(body: Mapping[str, Any]) -> int:
+    """How many completions a request's origin generates: its `n`, or a
+    completion's `best_of` when larger (generated, if not returned); 1 when
+    it states neither (or not as an integer above 1: validation is the
+    handler's). Each is as long as one answer, so a budget expects that many."""
     choices = 1
     for name in ("n", "best_of"):
         value = body.get(name)
         if type(value) is int and value > choices:
             choices = value
-    return bound * choices
+    return choices
 
 
 def continues_stored(endpoint: str, body: Mapping[str, Any]) -> bool:

@@ -13,11 +13,20 @@ import openai
 import pytest
 
 from dataplane.http.state import HOLDER, METRICS, PIPELINE
+from dataplane.ratelimit.limiter import FIRST_COMPLETION
 from ponto.apikeys import issue_key
 from ponto.originsim.app import SimConfig
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_pipeline import MODEL, Stack, chat, error_of, start_stack, table
+from tests.functional.test_pipeline import (
+    MODEL,
+    Stack,
+    chat,
+    error_of,
+    exchange,
+    start_stack,
+    table,
+)
 
 BUDGETED = issue_key()
 
@@ -114,3 +123,23 @@ async def test_a_request_every_origin_failed_is_charged_to_no_budget(tmp_path: P
         assert s.app[PIPELINE].limiter.counts() == {}
     finally:
         await s.close()
+
+
+@pytest.mark.parametrize("choices", [1, 8])
+async def test_a_request_for_n_answers_is_charged_n_completions_beforehand(
+    stack: Stack, choices: int
+) -> None:
+    """Trial 86: an eval's `n: 8` requests were charged one completion
+    expected at admission, so a burst of them near the day's end passed the
+    budget by seven answers each. The pipeline passes the choices asked."""
+    with_budget(stack, pb.Limits(tokens_per_day=100_000))
+    pipeline = stack.app[PIPELINE]
+    ex = exchange(stack, chat("pass at k", n=choices, temperature=0.8), BUDGETED.key)
+    pipeline.authenticate(ex)
+    pipeline.assemble(ex)
+    await pipeline.admit(ex)
+    assert ex.admission is not None and ex.admission.ok
+    left = pipeline.limiter.budget_left(f"k/{BUDGETED.key_id}")
+    assert left is not None
+    assert 100_000 - left.day_fleet == ex.estimate + choices * FIRST_COMPLETION
+    pipeline.settle(ex)

@@ -410,11 +410,13 @@ def test_a_first_burst_is_charged_a_completion_before_any_answer_came() -> None:
     assert sum(embeds.admit([SCOPE], 100, 1.0, most=0).ok for _ in range(30)) == 20
 
 
-def charge_of(limiter: RateLimiter, est: int, now: float, most: int | None = None) -> float:
+def charge_of(
+    limiter: RateLimiter, est: int, now: float, most: int | None = None, choices: int = 1
+) -> float:
     """What a budget is charged at admission for a prompt of `est` (its
     expected completion too); the request then ends unanswered."""
     before = limiter.budget_left(SCOPE)
-    admitted = limiter.admit([SCOPE], est, now, most=most)
+    admitted = limiter.admit([SCOPE], est, now, most=most, choices=choices)
     after = limiter.budget_left(SCOPE)
     assert admitted.ok and before is not None and after is not None
     admitted.release(None, now)
@@ -2152,3 +2154,23 @@ async def test_the_leader_counts_a_proxys_closed_counts_through_a_replica() -> N
     await leader_round(fleet)
     kv = await fleet.store.get(LEDGER_PREFIX + SCOPE)
     assert kv is not None and decode_ledger(kv.value).used() == (345, 345)
+
+
+def test_a_request_for_n_completions_is_charged_n_expected_and_teaches_one() -> None:
+    """Trial 86: an eval's `n: 8` requests (pass@k) were each charged one
+    completion expected at admission, so a burst of them near a budget's end
+    passed it by seven answers each, and their answers, learned whole, made
+    the next `n: 1` requests expect eight. Each choice is an answer."""
+    limiter = limiter_at_noon(ScopeLimits(tokens_per_day=100_000))
+    limiter.admit([SCOPE], 10, 1.0).release(60, 1.0)  # 50 past its estimate
+    assert charge_of(limiter, 10, 2.0) == 10 + (256 + 50) / 2
+    # n: 8 is charged eight completions expected, the bound it states at most.
+    assert charge_of(limiter, 10, 3.0, choices=8) == 10 + 8 * (256 + 50) / 2
+    assert charge_of(limiter, 10, 4.0, most=8 * 100, choices=8) == 10 + 8 * 100
+    # Its answer, 8 times 50 past its estimate, is learned as answers of 50 each.
+    limiter.admit([SCOPE], 10, 5.0, choices=8).release(10 + 8 * 50, 5.0)
+    assert charge_of(limiter, 10, 6.0) == 10 + math.ceil(expected_after([50, 50]))
+    # Near the end of a budget, a burst of n: 8 fits by eight answers each.
+    tight = limiter_at_noon(ScopeLimits(tokens_per_day=10_000))
+    burst = [tight.admit([SCOPE], 10, 1.0, choices=8) for _ in range(8)]
+    assert sum(a.ok for a in burst) == 10_000 // (10 + 8 * int(FIRST_COMPLETION)) == 4
