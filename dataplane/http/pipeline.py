@@ -1513,13 +1513,16 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     """`read_body`'s answer (or refusal) without a wait, when the whole body
     is in: the usual case, a body that came with its head. None when it is
     still coming, or has no declared length: await `read_body` then."""
-    content_type = request.content_type
-    if content_type != "application/json":
+    # The usual header's value as sent is its media type: aiohttp's property
+    # (a parse of the value, a copy of its parameters) is asked only for
+    # another, which it lowercases and strips of parameters.
+    sent = request.headers.get(hdrs.CONTENT_TYPE)
+    if sent != "application/json" and request.content_type != "application/json":
         # aiohttp reports a missing header as application/octet-stream.
-        sent = hdrs.CONTENT_TYPE in request.headers
+        shown = "missing" if sent is None else request.content_type
         raise ApiError(
             415,
-            f"Content-Type must be application/json, not {content_type if sent else 'missing'}",
+            f"Content-Type must be application/json, not {shown}",
             code="unsupported_media_type",
         )
     # A declared length over the limit is refused before reading a byte;

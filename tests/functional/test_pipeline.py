@@ -420,6 +420,33 @@ async def test_a_missing_content_type_is_called_missing(stack: Stack) -> None:
     assert stack.origin_requests() == 0
 
 
+@pytest.mark.parametrize(
+    ("sent", "status"),
+    [
+        ("application/json", 200),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+        (" application/json", 200),
+        ("text/plain; charset=utf-8", 415),
+        ("application/jsonx", 415),
+    ],
+)
+async def test_a_content_type_is_its_media_type(stack: Stack, sent: str, status: int) -> None:
+    # The value as sent decides alone only when it is exactly application/json;
+    # any other is read for its media type, lowercased, without parameters.
+    resp = await stack.client.post(
+        "/v1/chat/completions",
+        data=json.dumps(chat(f"type {sent}")).encode(),
+        headers={"authorization": f"Bearer {KEY.key}", "content-type": sent},
+    )
+    assert resp.status == status, await resp.text()
+    if status == 415:
+        shown = sent.partition(";")[0].strip().lower()
+        message = error_of(await resp.json())["message"]
+        assert message == f"Content-Type must be application/json, not {shown}"
+        assert stack.origin_requests() == 0
+
+
 async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\xff\xfe"}]}' % (
         MODEL.encode()
