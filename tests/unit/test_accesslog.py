@@ -146,7 +146,9 @@ def test_lines_carry_the_trace_ids_when_tracing_is_on_and_null_otherwise() -> No
 def test_a_bypass_says_why_and_a_hit_how_it_was_found() -> None:
     bypass = build(exchange(cache=CachePlan("bypass", reason="nondeterministic")))
     assert (bypass["cache"], bypass["cache_reason"]) == ("bypass", "nondeterministic")
-    hit = build(exchange(cache=CachePlan("hit", kind="semantic", tier="region"), usage=Usage(0, 0)))
+    semantic = CachePlan("hit", kind="semantic")
+    semantic.tier = "region"
+    hit = build(exchange(cache=semantic, usage=Usage(0, 0)))
     assert (hit["cache"], hit["cache_kind"], hit["origin"]) == ("hit", "semantic", None)
     assert hit["cache_tier"] == "region"
     assert hit["region"] == "eu"  # no origin answered: the proxy's own

@@ -136,7 +136,10 @@ async def test_an_indexed_tool_call_is_no_neighbour() -> None:
 
 
 def test_an_answer_not_kept_says_so_over_tools() -> None:
-    plan = CachePlan("miss", reason="tools", unkept="too_large")
+    plan = CachePlan("miss", reason="tools")
+    plan.unkept = "too_large"
     assert plan.said_reason == "answer-too-large"
     assert CachePlan("miss", reason="tools").said_reason == "tools"
-    assert CachePlan("miss", reason="no-usage", unkept="truncated").said_reason == "no-usage"
+    plan = CachePlan("miss", reason="no-usage")
+    plan.unkept = "truncated"
+    assert plan.said_reason == "no-usage"
