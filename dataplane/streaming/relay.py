@@ -536,6 +536,10 @@ async def _relay_events(
             # would make of it, is written as it came while its events go
             # on unchanged (nearly always): not framed event by event.
             verbatim = parser.verbatim and rewrite is None
+            # Its events' data are its bytes: one search of them all clears
+            # every event of being an error (nearly every read), where each
+            # was searched on its own.
+            errors = not verbatim or chunk.find(b"error") >= 0
             if events and idle is not None:
                 # The idle timeout counts from the last event, not from the
                 # last byte: an origin's comments (which the client is sent a
@@ -557,9 +561,9 @@ async def _relay_events(
                         except Exception as exc:
                             cut = str(exc) or type(exc).__name__
                             break
-                    # is_error_event's first search, inline: nearly every event
-                    # ends there, and this runs for each.
-                    elif ev.data.find(b"error", 0, 48) >= 0 and is_error_event(ev.data):
+                    # is_error_event's first search, inline, in a read that
+                    # may hold an error: this runs for each of its events.
+                    elif errors and ev.data.find(b"error", 0, 48) >= 0 and is_error_event(ev.data):
                         cut = ERROR_EVENT
                         if verbatim:
                             frames = _before(chunk, events, ev)
