@@ -26,7 +26,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Final
 
-__all__ = ["TIMER_GRAIN", "Bound", "Deadlines", "IdleTimeout", "LazyTimer", "cut_by_bound"]
+__all__ = [
+    "TIMER_GRAIN",
+    "Bound",
+    "Deadlines",
+    "IdleTimeout",
+    "LazyTimer",
+    "cut_by_bound",
+    "not_before_a_grain",
+]
 
 # uvloop's clock and timers count whole milliseconds: a timer may fire up to
 # one early by loop.time(), which is then taken as on time.
@@ -100,7 +108,7 @@ class LazyTimer:
         late()
 
 
-def _not_before_a_grain(due: float, now: float) -> float:
+def not_before_a_grain(due: float, now: float) -> float:
     """When to look again at a deadline `due` not passed at `now`: at `due`,
     but not within a grain of `now`. uvloop's clock counts whole milliseconds:
     a timer for less than one ahead fires at once with the clock unchanged,
@@ -216,7 +224,7 @@ class Deadlines:
         while queue:
             bound = next(iter(queue))
             if bound.when > now:
-                self._timer.arm_at(_not_before_a_grain(bound.when, now), self._sweep)
+                self._timer.arm_at(not_before_a_grain(bound.when, now), self._sweep)
                 return
             del queue[bound]
             bound.expire()
@@ -354,7 +362,7 @@ class IdleTimeout:
         # its deadline, never before.
         now = self._loop.time()
         if now < self._due:
-            self._timer.arm_at(_not_before_a_grain(self._due, now), self._late)
+            self._timer.arm_at(not_before_a_grain(self._due, now), self._late)
             return
         self._expired = True
         self._task.cancel()

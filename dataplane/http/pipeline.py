@@ -71,7 +71,7 @@ from dataplane.http.fields import (
     too_deep,
     too_many_values,
 )
-from dataplane.http.hold import HeldHead
+from dataplane.http.hold import HeldHead, Holds
 from dataplane.http.requestid import origin_request_id
 from dataplane.http.resume import (
     CONTINUABLE,
@@ -432,6 +432,7 @@ class Pipeline:
         # A stream's head is sent this long after its call when no event has
         # come (--stream-hold-seconds; None: held to the first event).
         self.stream_hold_s = stream_hold_s
+        self.holds = Holds(stream_hold_s) if stream_hold_s is not None else None
         # Ask the origin for every chat and completions stream's usage
         # (--origin-stream-usage always), not only for those whose client asks.
         self.origin_stream_usage = origin_stream_usage
@@ -786,6 +787,7 @@ class Pipeline:
             partial(reply.held_head, ex, plan.outcome),
             partial(reply.prepare_held, request, ex),
             sent=ex.held,
+            holds=self.holds,
         )
         try:
             origin = await self.forward(ex, self.hedge_for(ex))

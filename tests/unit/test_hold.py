@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from dataplane.http.hold import KEEP_ALIVE, HeldHead
+from dataplane.http.hold import KEEP_ALIVE, HeldHead, Holds
 
 
 class Head(web.StreamResponse):
@@ -93,3 +93,47 @@ async def test_a_head_sent_already_goes_on_with_its_comments_and_is_not_sent_aga
             await asyncio.sleep(0)
     assert await held.stop() is head
     assert head.writes == [KEEP_ALIVE] and made == []
+
+
+async def test_heads_on_shared_holds_commit_in_turn_and_a_stopped_one_never() -> None:
+    holds = Holds(0)
+    first, second = Head(), Head()
+    made: list[Head] = []
+
+    async def prepare(out: web.StreamResponse) -> None:
+        assert isinstance(out, Head)
+        made.append(out)
+        out.sent.set()
+
+    stopped = HeldHead(0, lambda: first, prepare, holds=holds)
+    held = HeldHead(0, lambda: second, prepare, holds=holds)
+    assert len(holds) == 2
+    assert await stopped.stop() is None and len(holds) == 1
+    async with asyncio.timeout(5):  # a bound on a broken test
+        await second.sent.wait()
+    assert made == [second] and len(holds) == 0
+    held.abandon()
+    # The timer found the queue empty after: a head held later gets it again.
+    third = Head()
+    later = HeldHead(0, lambda: third, prepare, holds=holds)
+    async with asyncio.timeout(5):
+        await third.sent.wait()
+    assert made == [second, third]
+    later.abandon()
+
+
+async def test_a_head_stopped_within_its_shared_hold_leaves_nothing_held() -> None:
+    holds = Holds(3600)
+    made: list[int] = []
+
+    async def prepare(out: web.StreamResponse) -> None:
+        made.append(1)
+
+    held = HeldHead(3600, Head, prepare, holds=holds)
+    assert len(holds) == 1
+    assert await held.stop() is None
+    assert len(holds) == 0 and made == []
+    # A hold of another length (a follower's head sent already) keeps its own timer.
+    other = HeldHead(60, Head, prepare, holds=holds)
+    assert len(holds) == 0
+    other.abandon()
