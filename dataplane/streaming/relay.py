@@ -551,34 +551,33 @@ async def _relay_events(
                 # comments than it holds) counts from its start.
                 idle.progress()
             for parsed in events:
-                ev = parsed
-                data: bytes | None = ev.data
+                ev, data = parsed, parsed.data
                 if not ev.done:
                     if rewrite is not None:
                         try:
-                            data = rewrite(ev.data)
+                            rewritten = rewrite(data)
                         # An origin's bytes: whatever they hold, a cut, never a crash.
                         except Exception as exc:
                             cut = str(exc) or type(exc).__name__
                             break
+                        if rewritten is None:
+                            continue
+                        if rewritten is not data:
+                            ev, data = Event(rewritten, ev.name), rewritten
                     # is_error_event's first search, inline, in a read that
                     # may hold an error: this runs for each of its events.
-                    elif errors and ev.data.find(b"error", 0, 48) >= 0 and is_error_event(ev.data):
+                    elif errors and data.find(b"error", 0, 48) >= 0 and is_error_event(data):
                         cut = ERROR_EVENT
                         if verbatim:
                             frames = _before(chunk, events, ev)
                         break
-                if data is None:
-                    continue
-                if data is not ev.data:
-                    ev = Event(data, ev.name)
                 for reader in readers:
                     reader.event(ev)
                 last = ev
                 # A name first: nearly every event has none (a set lookup each).
                 if ev.done or (ev.name and ev.name in RESPONSES_ENDS):
                     done = True
-                if trim is not None and (shown := trim(ev.data)) is not ev.data:
+                if trim is not None and (shown := trim(data)) is not data:
                     if verbatim:
                         frames = _before(chunk, events, ev)
                         verbatim = False
