@@ -334,6 +334,7 @@ def rerank_usage_of(obj: object) -> Usage | None:
 # opening quote must not be the closing one. A compact content delta, most
 # events of most streams, is found by one search; the rest by one regex.
 _CONTENT = b'"content":"'
+_CONTENT_SIZE: Final = len(_CONTENT)  # a constant, not two len() calls an event
 _TEXT = re.compile(
     rb'"(?:content|text|arguments|delta|reasoning_content|reasoning|refusal|input)": ?"[^"]'
 )
@@ -418,8 +419,8 @@ class UsageCounter:
                     self.usage = found
         # Whether it has text (_CONTENT, then _TEXT), inline: this runs for
         # every event. 0x22 is the closing quote of an empty string.
-        end = data.find(_CONTENT) + len(_CONTENT)
-        if (len(_CONTENT) <= end < len(data) and data[end] != 0x22) or _TEXT.search(data):
+        end = data.find(_CONTENT) + _CONTENT_SIZE
+        if (_CONTENT_SIZE <= end < len(data) and data[end] != 0x22) or _TEXT.search(data):
             self.content_events += 1
         elif ev.name == b"error" or is_error_event(data):
             self.error_event = True
