@@ -673,7 +673,7 @@ class Pipeline:
         most, choices = None, 1
         if limiter.budgeted and not continues_stored(ex.endpoint.name, ex.body):
             most = completion_bound(ex.endpoint.name, ex.body)
-            choices = completion_choices(ex.body)
+            choices = completion_choices(ex.endpoint.name, ex.body)
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now, most=most, choices=choices)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):

@@ -272,8 +272,8 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
     """The most tokens the answer's completion can come to, as the request
     states it: 0 for embeddings and rerank (NO_COMPLETION); a chat's `max_completion_tokens`
     or `max_tokens`, a completion's `max_tokens` or a Responses request's
-    `max_output_tokens`, times its choices (`n`; a completion's `best_of` when
-    larger: generated, if not returned); None when it states none (or not as
+    `max_output_tokens`, times its choices (completion_choices: `n`, a
+    completion's `best_of` when larger); None when it states none (or not as
     an integer: validation is the handler's)."""
     if endpoint in NO_COMPLETION:
         return 0
@@ -288,16 +288,30 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
             break
     if type(bound) is not int or bound < 0:
         return None
-    return bound * completion_choices(body)
+    return bound * completion_choices(endpoint, body)
 
 
-def completion_choices(body: Mapping[str, Any]) -> int:
-    """How many completions a request's origin generates: its `n`, or a
-    completion's `best_of` when larger (generated, if not returned); 1 when
-    it states neither (or not as an integer above 1: validation is the
-    handler's). Each is as long as one answer, so a budget expects that many."""
+# The fields that ask for several completions, per endpoint, as validation
+# bounds them (fields.ENDPOINT_RULES: n to 128, best_of to 20). No other:
+# a Responses request's `n` or a chat's `best_of`, neither the API's field
+# nor bounded, was charged as that many answers (review: `n: 1000` held a
+# whole day's budget while it ran, and once any of it was spent was refused
+# until the day's end).
+_CHOICE_FIELDS: Final = {"chat.completions": ("n",), "completions": ("n", "best_of")}
+
+
+def completion_choices(endpoint: str, body: Mapping[str, Any]) -> int:
+    """How many completions a request's origin generates: a chat's or a
+    completion's `n`, or a completion's `best_of` when larger (generated, if
+    not returned); 1 when it states neither (or not as an integer above 1:
+    validation is the handler's, which bounds both), and for every other
+    endpoint, whose answer is one whatever fields it carries. Each is as
+    long as one answer, so a budget expects that many."""
+    fields = _CHOICE_FIELDS.get(endpoint)
+    if fields is None:
+        return 1
     choices = 1
-    for name in ("n", "best_of"):
+    for name in fields:
         value = body.get(name)
         if type(value) is int and value > choices:
             choices = value

@@ -143,3 +143,26 @@ async def test_a_request_for_n_answers_is_charged_n_completions_beforehand(
     assert left is not None
     assert 100_000 - left.day_fleet == ex.estimate + choices * FIRST_COMPLETION
     pipeline.settle(ex)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": MODEL, "input": "one answer", "n": 1000}),
+        ("/v1/chat/completions", chat("one answer", best_of=1000)),
+    ],
+)
+async def test_a_field_no_api_reads_as_choices_is_not_charged_as_answers(
+    stack: Stack, path: str, body: dict[str, object]
+) -> None:
+    """Review: a Responses request's `n` and a chat's `best_of` (no field of
+    theirs, so unbounded by validation; the origin makes one answer) were
+    charged that many completions expected: the whole day's budget, so that
+    once any of it was spent the request was refused until the day's end."""
+    with_budget(stack, pb.Limits(tokens_per_day=100_000))
+    headers = {"authorization": f"Bearer {BUDGETED.key}"}
+    first = await stack.post(chat("a first answer"), key=BUDGETED.key)
+    assert first.status == 200
+    resp = await stack.client.post(path, json=body, headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert stack.origin_requests() == 2

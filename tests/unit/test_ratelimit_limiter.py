@@ -707,6 +707,8 @@ def test_a_refusal_says_when_to_try_again_as_its_reset_header_does(
         ("completions", {"max_tokens": 0}, 0),
         ("responses", {"max_output_tokens": 64}, 64),
         ("responses", {"max_tokens": 64}, None),  # not a Responses field
+        ("responses", {"max_output_tokens": 64, "n": 3}, 64),  # one answer: n is not its field
+        ("chat.completions", {"max_tokens": 10, "best_of": 5}, 10),  # nor a chat's best_of
         ("chat.completions", {"max_tokens": "100"}, None),  # validation's to refuse
         ("chat.completions", {"max_tokens": True}, None),
         ("chat.completions", {"max_tokens": -1}, None),
