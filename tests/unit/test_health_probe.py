@@ -6,6 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
@@ -13,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from controlplane.catalog import Catalog
+from controlplane.errors import Unavailable
 from controlplane.health import (
     AT_ONCE,
     LOAD,
@@ -29,6 +31,7 @@ from controlplane.health import (
     verdict,
 )
 from controlplane.model import Origin, OriginHealth, Region
+from controlplane.store import Fence
 from controlplane.store.memory import MemoryStore
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -450,6 +453,69 @@ async def test_prober_writes_moves_of_load_alone_together_at_most_every_interval
     await probe(prober, session)
     down = await stored(catalog, "o1")
     assert down is not None and not down.healthy
+
+
+async def test_loads_not_written_are_tried_next_round_and_a_deposed_leader_writes_none(
+    fake_origin: tuple[FakeOrigin, TestServer],
+    session: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review of the loads written together: one batch etcd did not take is
+    written at the next round, not an interval later (nor never, were the
+    interval counted from the attempt); one a deposed leader's fence refuses
+    writes nothing, and says why once."""
+    origin, server = fake_origin
+    root = str(server.make_url(""))
+    catalog = await make_catalog(
+        *(
+            Origin(f"o{i}", f"{root}/o{i}/v1", "eu-west", ("llama-3",), capacity=10)
+            for i in range(3)
+        )
+    )
+    leader = await catalog.store.put("/ponto/leader", b"me")
+    fence = [Fence("/ponto/leader", leader)]
+    now = [100.0]
+    prober = Prober(
+        catalog,
+        ProbeSettings(rise=1, fall=1, timeout=2),
+        fence=lambda: fence[0],
+        clock=lambda: now[0],
+    )
+
+    async def loads() -> list[float]:
+        state = await catalog.snapshot()
+        return [state.health[f"o{i}"].inflight for i in range(3)]
+
+    await probe(prober, session)  # first results: at once
+    put_healths, calls = catalog.put_healths, [0]
+
+    async def unavailable_once(healths: Any, *, fence: Fence | None = None) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise Unavailable("etcd is away")
+        await put_healths(healths, fence=fence)
+
+    catalog.put_healths = unavailable_once  # type: ignore[method-assign]
+    origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # 9 -> 13 requests
+    now[0] += 1
+    await probe(prober, session)
+    assert await loads() == [9.0, 9.0, 9.0]
+    now[0] += 1
+    await probe(prober, session)
+    assert await loads() == [13.0, 13.0, 13.0]  # the next round, not an interval later
+    # Deposed: its fence names a leader key no longer there as it was.
+    fence[0] = Fence("/ponto/leader", leader + 99)
+    origin.metrics = VLLM_METRICS
+    before = (await catalog.snapshot()).revision
+    caplog.clear()
+    now[0] += LOAD_WRITE_INTERVAL_S
+    await probe(prober, session)
+    assert (await catalog.snapshot()).revision == before
+    refused = [r for r in caplog.records if "no longer the leader" in r.getMessage()]
+    assert [r.getMessage() for r in refused] == [
+        "not recording the loads of 3 origins: no longer the leader"
+    ]
+    assert refused[0].exc_info is None
 
 
 async def test_prober_hysteresis_with_default_rise_fall(
