@@ -253,6 +253,13 @@ class Prober:
         self.rounds = 0
 
     async def run(self) -> None:
+        """Probe every interval, for one leadership term (until cancelled).
+        A term starts from what the store holds, not from what this process
+        wrote in a term of its own before: another leader may have written
+        since (review: an origin it wrote unhealthy stayed so in the table
+        once it came back, this process finding it as it had last written it)."""
+        self._tracks.clear()
+        self._loads_written_at = -math.inf
         timeout = aiohttp.ClientTimeout(total=self._settings.timeout)
         connector = self._settings.connector()
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

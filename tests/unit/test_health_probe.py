@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -516,6 +517,46 @@ async def test_loads_not_written_are_tried_next_round_and_a_deposed_leader_write
         "not recording the loads of 3 origins: no longer the leader"
     ]
     assert refused[0].exc_info is None
+
+
+async def test_a_new_term_starts_from_what_the_store_holds_not_from_a_past_term(
+    fake_origin: tuple[FakeOrigin, TestServer],
+) -> None:
+    """Review: the prober outlives a term, and kept what it had written in
+    its last one. Another leader meanwhile wrote o1 unhealthy, and o1 came
+    back: the first leader, leading again, found o1 as it had last written
+    it (healthy, 9 requests) and wrote nothing, so the table held o1
+    unhealthy (and its old load) for as long as it stayed as it was."""
+    catalog, _ = await one_origin(fake_origin)
+    rounds = asyncio.Event()
+    settings = ProbeSettings(rise=1, fall=1, timeout=2)
+
+    def clock() -> float:  # read once a round, after its probes
+        rounds.set()
+        return 0.0
+
+    prober = Prober(catalog, settings, clock=clock)
+
+    async def one_term() -> None:
+        rounds.clear()
+        term = asyncio.create_task(prober.run())
+        try:
+            await asyncio.wait_for(rounds.wait(), 10)
+        finally:
+            term.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await term
+
+    await one_term()
+    first = await stored(catalog, "o1")
+    assert first is not None and first.healthy and first.inflight == 9.0
+    # Another leader's term: o1 was down, and busy.
+    await catalog.put_health(
+        OriginHealth("o1", healthy=False, inflight=30.0, detail="probe answered 503")
+    )
+    await one_term()
+    back = await stored(catalog, "o1")
+    assert back is not None and back.healthy and back.inflight == 9.0
 
 
 async def test_prober_hysteresis_with_default_rise_fall(
