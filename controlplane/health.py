@@ -188,11 +188,12 @@ def health_line(health: OriginHealth, fall: int, *, passed: bool = False) -> str
 # Changes of load alone are written at most this often, for all origins
 # together (by this leader's monotonic clock: the records' `checked_at` are
 # wall clocks, maybe another leader's), in as few transactions as etcd takes,
-# so that they rebuild and push one table, not one per origin: each write
-# rebuilds and pushes the table, an origin of capacity 4 moves by a tenth of
-# it with every request, and a limit per origin still let N origins push N/5
-# tables a second (trial 84: 4 origins, about one a second; 300 would push
-# 60). The table's loads serve spilling between regions and what operators
+# so that they rebuild and push one table every interval at most: each
+# write rebuilds and pushes the table, an origin of capacity 4 moves by a
+# tenth of it with every request, and with a limit per origin the origins'
+# writes fell in different rounds, up to a table a round (the builder's
+# quiet period merges one round's writes; trial 85: 150 origins pushed 0.67
+# tables a second, now 0.20). The table's loads serve spilling between regions and what operators
 # read, which a few seconds' lag does not hurt: placement inside a region
 # reads the live loads (/ponto/load, every half second, no table).
 LOAD_WRITE_INTERVAL_S = 5.0

@@ -415,9 +415,9 @@ async def test_prober_follows_health_and_load(
 async def test_prober_writes_moves_of_load_alone_together_at_most_every_interval(
     fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
 ) -> None:
-    """Trial 84: each origin's load was written at most every interval, so N
-    origins under load rebuilt and pushed N/5 tables a second (4 origins:
-    about one a second; 300 would be 60). The moves of all origins are
+    """Trial 84: each origin's load was written at most every interval, so
+    origins under load, their writes falling in different rounds, rebuilt
+    and pushed up to a table a round. The moves of all origins are
     written together, in one transaction (one table), at most every
     interval; a flip of health still goes at once."""
     origin, server = fake_origin
