@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -13,20 +14,25 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from controlplane import builder as builder_module
+from controlplane import catalog as catalog_module
 from controlplane.api.admin import AdminService
 from controlplane.audit import AuditLog
 from controlplane.builder import TableBuilder
 from controlplane.catalog import (
+    KEYS,
     RESPONSE_ID_KEY_BYTES,
     RESPONSE_ID_KEYS,
     RESPONSE_ID_OWNERS,
     TENANTS,
     Catalog,
+    decode_state,
 )
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher, Snapshot
 from controlplane.errors import Unavailable
-from controlplane.model import Origin, Region, State
+from controlplane.model import ApiKeyRecord, Origin, Region, State, Tenant, encode
+from controlplane.store.base import Write
 from controlplane.store.memory import MemoryStore
 from ponto.routetable import content_etag
 from ponto.v1 import admin_pb2 as apb
@@ -538,3 +544,37 @@ async def test_the_first_table_marks_where_ids_began_to_be_signed_for_records() 
     assert await builder.build_once() is True
     latest = pub.latest
     assert latest is not None and latest.table.response_id_owners_from == kv.create_revision
+
+
+async def test_a_large_state_is_decoded_and_compiled_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 20,000 keys decoding took 0.6 s and compiling 0.8 s, on the event
+    loop: the election's keep-alives and every probe waited (trial 83: both
+    replicas lost leadership once during a bulk key load). Both run in a
+    worker thread now, and the table is the same."""
+    store, catalog, pub, builder = await seeded_builder()
+    await catalog.put_tenant(Tenant("t1"), allow_update=False)
+    writes = [
+        Write(KEYS + f"k{i:04d}", encode(ApiKeyRecord(f"k{i:04d}", f"{i:064x}", "t1")))
+        for i in range(600)
+    ]
+    for start in range(0, len(writes), 100):
+        await store.commit(writes[start : start + 100])
+    threads: dict[str, int] = {}
+
+    def recorded(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            threads[name] = threading.get_ident()
+            return f(*args)
+
+        return run
+
+    monkeypatch.setattr(catalog_module, "decode_state", recorded("decode", decode_state))
+    monkeypatch.setattr(builder_module, "compile_table", recorded("compile", compile_table))
+    assert await builder.build_once() is True
+    loop_thread = threading.get_ident()
+    assert set(threads) == {"decode", "compile"}
+    assert loop_thread not in threads.values()
+    assert pub.latest is not None
+    assert len(pub.latest.table.keys) == 600
