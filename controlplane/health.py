@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from controlplane.catalog import Catalog
+from controlplane.catalog import HEALTH, ORIGINS, Catalog
 from controlplane.errors import Unavailable
 from controlplane.load import Sample, parse_page
 from controlplane.metrics import ControlMetrics
@@ -278,7 +278,8 @@ class Prober:
                 await asyncio.sleep(max(0.0, self._settings.interval - elapsed))
 
     async def probe_all(self, session: aiohttp.ClientSession) -> None:
-        state = await self._catalog.snapshot()
+        # Not the whole state: at 20,000 keys that was 0.6 s of decoding a round.
+        state = await self._catalog.read(ORIGINS, HEALTH)
         names = {o.name for o in state.origins}
         for gone in set(self._tracks) - names:
             del self._tracks[gone]

@@ -26,7 +26,7 @@ from controlplane.apply import (
     tenant_changes,
 )
 from controlplane.audit import AuditEntry, AuditLog
-from controlplane.catalog import Catalog
+from controlplane.catalog import HEALTH, ORIGINS, Catalog
 from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.ejections import fleet_ejections
@@ -357,7 +357,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     @grpc_errors
     async def ListOrigins(self, request: apb.ListRequest, context: Ctx) -> apb.ListOriginsResponse:
         state, proxies = await asyncio.gather(
-            self._catalog.snapshot(), self._catalog.list_proxies()
+            self._catalog.read(ORIGINS, HEALTH), self._catalog.list_proxies()
         )
         now = time.time()
         known = {o.name for o in state.origins}

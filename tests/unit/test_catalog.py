@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from controlplane.api.admin import origin_pb
-from controlplane.catalog import ACKS, ORIGINS, PROXIES, REGIONS, TENANTS, Catalog
+from controlplane.catalog import ACKS, KEYS, ORIGINS, PROXIES, REGIONS, TENANTS, Catalog
 from controlplane.cli import _as_spec
 from controlplane.errors import (
     AlreadyExists,
@@ -31,6 +31,7 @@ from controlplane.model import (
     encode,
 )
 from controlplane.store import Conflict, Fence
+from controlplane.store.base import Listing
 from controlplane.store.memory import MemoryStore
 
 
@@ -553,3 +554,37 @@ async def test_put_healths_writes_many_origins_in_as_few_transactions_as_etcd_ta
     with pytest.raises(Conflict):
         await catalog.put_healths(healths[:1], fence=Fence("/ponto/leader", leader + 99))
     assert (await catalog.snapshot()).revision == before + 3
+
+
+class ListingsSeen(MemoryStore):
+    """A MemoryStore that remembers each prefix listed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[str] = []
+
+    async def list(self, prefix: str) -> Listing:
+        self.listed.append(prefix)
+        return await super().list(prefix)
+
+
+async def test_admin_reads_that_need_no_keys_do_not_read_them() -> None:
+    """Trial 83, at 20,000 keys: `get regions` took 7 s, `get origins` 6 s,
+    `get tenants` 9 s and each `key create` 6 to 12 s, every one reading
+    and decoding the whole state, keys included. Each reads the prefixes it
+    needs now, and answers the same."""
+    store = ListingsSeen()
+    catalog = Catalog(store)
+    await catalog.put_region(region(), allow_update=False)
+    await catalog.put_origin(origin(), allow_update=False)
+    await catalog.put_tenant(Tenant("acme"), allow_update=False)
+    key = (await catalog.create_key("acme", models=["nope"])).record
+    store.listed.clear()
+    assert [r.name for r in await catalog.list_regions()] == ["us-east"]
+    assert [o.name for o in await catalog.list_origins()] == ["o1"]
+    assert [t.name for t in await catalog.list_tenants()] == ["acme"]
+    assert await catalog.key_model_warnings(key) != ()
+    await catalog.drain_warnings("region", "us-east", True)
+    assert (await catalog.export())["tenants"] != []
+    assert store.listed and not [p for p in store.listed if KEYS.startswith(p)]
+    assert [k.id for k in await catalog.list_keys("acme")] == [key.id]

@@ -550,16 +550,16 @@ async def test_a_key_created_while_its_tenant_is_deleted_stops_the_deletion(
     """The key arrives after delete_tenant looked at the keys, before it
     deleted: the deletion is refused as if the key had been there."""
     await catalog.put_tenant(Tenant("acme"), allow_update=False)
-    look = catalog.snapshot
+    look = catalog.read
     created: list[str] = []
 
-    async def looked_then_a_key_came() -> State:
-        state = await look()
+    async def looked_then_a_key_came(*prefixes: str) -> State:
+        state = await look(*prefixes)
         if not created:
             created.append((await catalog.create_key("acme"))[0].id)
         return state
 
-    monkeypatch.setattr(catalog, "snapshot", looked_then_a_key_came)
+    monkeypatch.setattr(catalog, "read", looked_then_a_key_came)
     with pytest.raises(FailedPrecondition, match=created[0] if created else "not revoked"):
         await catalog.delete_tenant("acme")
     assert (await catalog.get_tenant("acme")).name == "acme"
