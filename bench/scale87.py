@@ -20,12 +20,13 @@ from controlplane.builder import TableBuilder
 from controlplane.catalog import KEYS, ORIGINS, REGIONS, TENANTS, Catalog
 from controlplane.distribute import Publisher
 from controlplane.model import ApiKeyRecord, Limits, Origin, Region, Tenant, encode
-from controlplane.store.base import Write
+from controlplane.store.base import StateStore, Write
+from controlplane.store.etcd import EtcdStore
 from controlplane.store.memory import MemoryStore
 from ponto.apikeys import issue_key
 
 
-async def fill(store: MemoryStore, keys: int) -> None:
+def topology_writes() -> list[Write]:
     writes: list[Write] = []
     for r in range(25):
         writes.append(Write(REGIONS + f"r{r}", encode(Region(f"r{r}", r - 12.0, r * 7.0 - 90))))
@@ -36,6 +37,11 @@ async def fill(store: MemoryStore, keys: int) -> None:
     for t in range(500):
         limits = Limits(rpm=600) if t % 2 else Limits()
         writes.append(Write(TENANTS + f"t{t}", encode(Tenant(f"t{t}", limits=limits))))
+    return writes
+
+
+def key_writes(keys: int) -> list[Write]:
+    writes: list[Write] = []
     for k in range(keys):
         issued = issue_key()
         record = ApiKeyRecord(
@@ -46,8 +52,14 @@ async def fill(store: MemoryStore, keys: int) -> None:
             created_at=1.8e9 + k,
         )
         writes.append(Write(KEYS + record.id, encode(record)))
-    for i in range(0, len(writes), 100):
-        await store.commit(writes[i : i + 100])
+    return writes
+
+
+async def fill(store: StateStore, keys: int, *, batch: int = 100) -> None:
+    """The topology and `keys` keys, written `batch` a transaction."""
+    writes = topology_writes() + key_writes(keys)
+    for i in range(0, len(writes), batch):
+        await store.commit(writes[i : i + batch])
 
 
 class Probe:
@@ -77,10 +89,35 @@ async def timed(label: str, coro: object) -> None:
     print(f"{label:<34} {took * 1000:8.0f} ms   loop's worst stall {probe.worst * 1000:6.0f} ms")
 
 
+async def load_etcd(endpoint: str, keys: int, batch: int, pace: float) -> None:
+    """Write `keys` keys to the etcd at `endpoint`, `batch` a transaction (the
+    topology too when none is stored), `pace` seconds apart: a bulk load,
+    as trial 83 made."""
+    store = EtcdStore([endpoint])
+    await store.connect()
+    try:
+        writes = key_writes(keys)
+        if await store.get(REGIONS + "r0") is None:
+            writes = topology_writes() + writes
+        start = time.perf_counter()
+        for i in range(0, len(writes), batch):
+            await store.commit(writes[i : i + batch])
+            await asyncio.sleep(pace)
+        print(f"{len(writes)} records in {time.perf_counter() - start:.1f} s")
+    finally:
+        await store.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--keys", type=int, default=20000)
+    parser.add_argument("--etcd", default="", help="write the keys to this etcd, and no more")
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds between writes (--etcd)")
     args = parser.parse_args()
+    if args.etcd:
+        await load_etcd(args.etcd, args.keys, args.batch, args.pace)
+        return
     store = MemoryStore()
     await fill(store, args.keys)
     catalog = Catalog(store)
