@@ -1054,3 +1054,31 @@ async def test_an_error_event_inside_a_read_of_one_line_events_ends_what_came_be
     assert end.cut == "the origin sent an error event"
     assert b"".join(out.written) == b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: ended\n\n'
     assert [ev.data for ev in reader.events] == [b'{"a":1}', b'{"b":2}']
+
+
+ERROR_SHAPES = (
+    b'data: {"error":{"message":"x"}}\n\n',
+    # Its data lines in pieces: never a read of one-line events.
+    b'data: {"error":\ndata: {"message":"x"}}\n\n',
+)
+
+
+@pytest.mark.parametrize("shape", ERROR_SHAPES)
+async def test_an_error_event_split_across_reads_anywhere_ends_the_stream(shape: bytes) -> None:
+    # A read is cleared of errors by one search only when it is whole one-line
+    # events; a read that ends an event begun before holds only part of its
+    # "error", and the event must still be found one.
+    stream = b'data: {"a":1}\n\n' + shape + b"data: [DONE]\n\n"
+    for at in range(1, len(stream)):
+        out, reader = Out(), Reader()
+        end = await relay(
+            stream[:at],
+            Content(stream[at:]),
+            cast(web.StreamResponse, out),
+            readers=[reader],
+            error_event=b"data: ended\n\n",
+            resume=no_resume,
+        )
+        assert end.cut == "the origin sent an error event", at
+        assert b"".join(out.written) == b'data: {"a":1}\n\ndata: ended\n\n', at
+        assert [ev.data for ev in reader.events] == [b'{"a":1}'], at
