@@ -38,16 +38,17 @@ class Holds:
     they are made, which is their deadlines' order (one hold for all); the
     timer, armed for the first, is left to find the queue as it is then
     (nothing, mostly), and fires about once a hold under steady load. Used
-    from its loop's thread only; the timer is made at the first hold, on the
-    running loop."""
+    from its loop's thread only; its timer is on `loop` when given (a test's
+    clock), else on the loop running at the first hold."""
 
     __slots__ = ("_armed", "_loop", "_queue", "_timer", "hold_s")
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.hold_s = hold_s
         self._queue: dict[HeldHead, float] = {}  # each head's deadline, in order
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: LazyTimer | None = None
+        self._loop = loop
+        # Made with the loop: `add` makes both when none was given.
+        self._timer = None if loop is None else LazyTimer(loop)
         self._armed = False  # the timer will sweep the queue
 
     def __len__(self) -> int:

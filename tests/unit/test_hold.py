@@ -4,11 +4,13 @@ sent while its origin thinks, and how they stop."""
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import pytest
 from aiohttp import web
 
 from dataplane.http.hold import KEEP_ALIVE, HeldHead, Holds
+from tests.unit.test_timer import FakeLoop
 
 
 class Head(web.StreamResponse):
@@ -137,3 +139,44 @@ async def test_a_head_stopped_within_its_shared_hold_leaves_nothing_held() -> No
     other = HeldHead(60, Head, prepare, holds=holds)
     assert len(holds) == 0
     other.abandon()
+
+
+class Committed:
+    """A held head as Holds sees it: what it commits, at which loop time."""
+
+    def __init__(self, loop: FakeLoop, log: list[tuple[str, float]], name: str) -> None:
+        self._loop, self._log, self.name = loop, log, name
+
+    def commit(self) -> None:
+        self._log.append((self.name, self._loop.now))
+
+
+def test_each_shared_hold_ends_at_its_own_deadline_after_the_first_leaves() -> None:
+    """On a clock the test drives: the timer armed for the first head finds it
+    gone and waits for the next one's deadline (neither committing it then,
+    early, nor a hold later); an empty queue arms the timer again."""
+    loop = FakeLoop()  # now 100.0
+    holds = Holds(1.0, cast(asyncio.AbstractEventLoop, loop))
+    log: list[tuple[str, float]] = []
+
+    def head(name: str) -> HeldHead:
+        made = cast(HeldHead, Committed(loop, log, name))
+        holds.add(made)
+        return made
+
+    first = head("first")  # due 101.0
+    loop.now = 100.5
+    head("second")  # due 101.5
+    holds.remove(first)
+    [timer] = loop.pending()
+    loop.fire(timer)  # 101.0: the first is gone, the second not due
+    assert log == [] and len(holds) == 1
+    [timer] = loop.pending()
+    assert timer.when() == 101.5
+    loop.fire(timer)
+    assert log == [("second", 101.5)] and len(holds) == 0 and loop.pending() == []
+    loop.now = 102.0
+    head("third")
+    [timer] = loop.pending()
+    loop.fire(timer)
+    assert log == [("second", 101.5), ("third", 103.0)]
