@@ -1082,3 +1082,37 @@ async def test_an_error_event_split_across_reads_anywhere_ends_the_stream(shape:
         assert end.cut == "the origin sent an error event", at
         assert b"".join(out.written) == b'data: {"a":1}\n\ndata: ended\n\n', at
         assert [ev.data for ev in reader.events] == [b'{"a":1}'], at
+
+
+async def test_a_continuations_event_is_trimmed_as_it_was_rewritten() -> None:
+    # The trim (usage the client did not ask for) is shown the event the
+    # continuation's rewrite made, not the next origin's as it came: the
+    # client keeps the first origin's id.
+    async def resume(cut: str, too_long: int) -> Next | None:
+        if resumed:
+            return None
+        resumed.append(cut)
+        rest = Content(b'data: {"id":"o2","b":2,"usage":null}\n\n', b"data: [DONE]\n\n")
+        return Next(b": queued\n\n", rest, lambda data: data.replace(b'"o2"', b'"o1"'), "o2")
+
+    def trim(data: bytes) -> bytes | None:
+        return data.replace(b',"usage":null', b"")
+
+    resumed: list[str] = []
+    out, reader = Out(), Reader()
+    end = await relay(
+        b'data: {"id":"o1","a":1,"usage":null}\n\n',
+        Content(),
+        cast(web.StreamResponse, out),
+        readers=[reader],
+        resume=resume,
+        trim=trim,
+    )
+    assert end.complete and resumed == [ENDED_EARLY], end
+    events = b"".join(w for w in out.written if not w.startswith(b":"))  # not keep-alives
+    assert events == b'data: {"id":"o1","a":1}\n\ndata: {"id":"o1","b":2}\n\ndata: [DONE]\n\n'
+    assert [ev.data for ev in reader.events] == [
+        b'{"id":"o1","a":1,"usage":null}',
+        b'{"id":"o1","b":2,"usage":null}',
+        b"[DONE]",
+    ]
