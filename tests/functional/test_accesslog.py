@@ -540,11 +540,13 @@ async def test_a_follower_of_a_cut_stream_is_logged_as_cut(
             await asyncio.sleep(0.01)
         follower = await s.post(chat("cut for both", stream=True))
         assert follower.headers["x-ponto-coalesced"] == "1"
+        # Its flight was this proxy's: the tier is local (CachePlan.tier).
+        assert follower.headers["x-ponto-cache-tier"] == "local"
         assert "upstream_stream_broken" in (await follower.read()).decode()
         await (await leader).read()
         got = {line["cache"]: line for line in lines(s, capfd)}
         assert s.origin_requests() == 1
-        assert got["hit"]["cache_kind"] == "coalesced"
+        assert (got["hit"]["cache_kind"], got["hit"]["cache_tier"]) == ("coalesced", "local")
         assert (got["hit"]["status"], got["hit"]["error"]) == (200, "stream_cut")
         assert got["miss"]["error"] == "stream_cut"
         # The cache's counters say what the log says: a coalesced hit.
