@@ -357,6 +357,18 @@ class Catalog:
             writes = [Write(HEALTH + h.origin, encode(h)) for h in healths[i : i + step]]
             await _guard(self.store.commit(writes, checks))
 
+    async def delete_healths(self, origins: Iterable[str], *, fence: Fence | None = None) -> None:
+        """Delete the health records of `origins` (leader-only, as
+        put_healths): records whose origin is gone. A probe round that read
+        an origin just before it was deleted writes its health after
+        delete_origin dropped it, and nothing else deletes that record."""
+        checks = [fence] if fence is not None else []
+        names = list(origins)
+        step = MAX_TXN_OPS - len(checks)
+        for i in range(0, len(names), step):
+            writes = [Write(HEALTH + name, None) for name in names[i : i + step]]
+            await _guard(self.store.commit(writes, checks))
+
     # ------------------------------------------------------------ regions
 
     async def put_region(

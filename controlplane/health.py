@@ -283,6 +283,14 @@ class Prober:
         names = {o.name for o in state.origins}
         for gone in set(self._tracks) - names:
             del self._tracks[gone]
+        # Health of origins no longer stored: written by a round that read
+        # the origin before its deletion (delete_origin drops the record
+        # first), it would stay for good, and a new origin of that name
+        # would start from its verdict. Only this round's writes make such
+        # records, so one read without the origin is enough.
+        orphans = sorted(set(state.health) - names)
+        if orphans and self._may_write():
+            await self._delete_all(orphans)
         # Origins with probing off are not called, nor tracked, and a verdict
         # stored before is forgotten (the table ignores it meanwhile): turned
         # back on, one starts healthy, as a new origin does, not from a
@@ -379,6 +387,17 @@ class Prober:
     async def _write(self, health: OriginHealth) -> bool:
         """Store `health`; False (and logged) when it could not be."""
         return await self._write_all([health], f"health of {health.origin}")
+
+    async def _delete_all(self, origins: list[str]) -> None:
+        """Delete the health records of `origins` (Catalog.delete_healths);
+        logged when they could not be (tried again next round)."""
+        what = f"the health of {len(origins)} deleted origins"
+        try:
+            await self._catalog.delete_healths(origins, fence=self._fence())
+        except Unavailable as exc:
+            log.warning("cannot delete %s: %s", what, exc)
+        except Conflict:
+            log.warning("not deleting %s: no longer the leader", what)
 
     async def _write_all(self, healths: list[OriginHealth], what: str = "") -> bool:
         """Store `healths` (Catalog.put_healths); False (and logged) when

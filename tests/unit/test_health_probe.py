@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,10 +310,14 @@ class FakeOrigin:
     metrics: str = VLLM_METRICS
     metrics_status: int = 200
     health_hits: list[str] = field(default_factory=list)
+    # Awaited as a probe arrives, before it is answered.
+    on_probe: Callable[[], Awaitable[None]] | None = None
 
     def app(self) -> web.Application:
         async def health_handler(request: web.Request) -> web.Response:
             self.health_hits.append(request.path)
+            if self.on_probe is not None:
+                await self.on_probe()
             if 300 <= self.status < 400:  # to a page that answers 200
                 return web.Response(status=self.status, headers={"location": "/metrics"})
             return web.Response(status=self.status, text="ok" if self.status < 400 else "down")
@@ -674,6 +678,41 @@ async def test_a_redirect_is_no_passing_probe(
     h = await stored(catalog, "o1")
     assert h is not None and not h.healthy and "redirect" in h.detail
     assert verdict(204, "/health", False) == (True, "")
+
+
+async def test_health_of_an_origin_deleted_during_its_probe_goes_next_round(
+    fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
+) -> None:
+    origin, server = fake_origin
+    catalog = await make_catalog(
+        Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    origin.status = 503  # a verdict a new o1 must not start from
+
+    async def delete() -> None:
+        origin.on_probe = None
+        await catalog.delete_origin("o1")
+
+    origin.on_probe = delete
+    await probe(prober, session)
+    # The round read o1 before its deletion and wrote its verdict after.
+    orphan = await stored(catalog, "o1")
+    assert orphan is not None and not orphan.healthy
+    await probe(prober, session)
+    assert (await catalog.snapshot()).health == {}
+    assert len(origin.health_hits) == 1  # a gone origin is not probed again
+
+
+async def test_a_replica_not_the_leader_deletes_no_health(
+    session: aiohttp.ClientSession,
+) -> None:
+    catalog = await make_catalog()
+    await catalog.put_health(OriginHealth("gone", healthy=False, detail="probe failed"))
+    await probe(Prober(catalog, ProbeSettings(), may_write=lambda: False), session)
+    assert set((await catalog.snapshot()).health) == {"gone"}
+    await probe(Prober(catalog, ProbeSettings()), session)
+    assert (await catalog.snapshot()).health == {}
 
 
 async def test_prober_writes_nothing_when_not_allowed(
