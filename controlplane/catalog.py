@@ -241,6 +241,7 @@ class Catalog:
         listing = await _guard(self.store.list(STATE_PREFIX))
         items = listing.items
         if len(items) < _DECODE_ON_LOOP:
+            self._keys = {}  # a state that shrank keeps no keys of its larger past
             return decode_state(listing.revision, items)
         # The keys as last decoded: one key's change decodes that key alone
         # (at 20,000 keys, 0.6 s of decoding a change went to about 0.1 s).

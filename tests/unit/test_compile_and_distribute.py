@@ -619,3 +619,9 @@ async def test_a_snapshot_decodes_the_keys_changed_since_the_last_alone(
     await store.put(KEYS + "k0002", encode(ApiKeyRecord("k0002", f"{2:064x}", "t1")))
     assert len((await catalog.snapshot()).keys) == 600
     assert decoded == ["k0001", "k0002"]
+    # Shrunk below the size decoded off the loop, the state keeps no keys
+    # of its larger past (review 341: they stayed until it grew again).
+    for start in range(0, 550, 110):
+        await store.commit([Write(KEYS + f"k{i:04d}", None) for i in range(start, start + 110)])
+    assert len((await catalog.snapshot()).keys) == 50
+    assert catalog._keys == {}
