@@ -1,7 +1,8 @@
 """MemoryStores that act as etcd does before it serves: a replica started
 with its members, before their first election, finds its first reads failing
 and its watches made late. What it writes or reads meanwhile must not be
-lost to a watch made "from now" after it (a clean-clone run's flake)."""
+lost to a watch made "from now" after it (a clean-clone run's flake). And
+one that remembers what it was asked to list."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ class FirstReadFails(MemoryStore):
 class NotServingYet(LateWatches, FirstReadFails):
     """Both: the first read fails, and watches are made once `serving` is
     set (etcd before its first election)."""
+
+
+class ListingStore(MemoryStore):
+    """Remembers each prefix listed (`listed`), in order: for reads that
+    must list only the prefixes they need."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed: list[str] = []
+
+    async def list(self, prefix: str) -> Listing:
+        self.listed.append(prefix)
+        return await super().list(prefix)

@@ -48,7 +48,7 @@ from controlplane.quotasync import (
     packed,
 )
 from controlplane.store import MAX_REQUEST_BYTES, StoreUnavailable
-from controlplane.store.base import KeyValue, Listing
+from controlplane.store.base import KeyValue
 from controlplane.store.memory import MemoryStore
 from dataplane.http.pipeline import refusal
 from dataplane.ratelimit import Share
@@ -70,6 +70,7 @@ from ponto.quota_types import (
     utc_day,
 )
 from ponto.v1 import routing_pb2 as pb
+from tests.latestores import ListingStore
 from tests.unit.test_quotasync import (
     Fleet,
     constant_lease,
@@ -1316,18 +1317,6 @@ async def test_every_row_too_large_for_etcd_gives_way_to_the_idle_rows() -> None
     await leader_round(fleet)
     kv = await fleet.store.get(SHARES_KEY)
     assert kv is not None and set(orjson.loads(kv.value)["budgets"]["proxies"]) == {"proxy-00"}
-
-
-class ListingStore(MemoryStore):
-    """Counts the listings of each prefix."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.listed: list[str] = []
-
-    async def list(self, prefix: str) -> Listing:
-        self.listed.append(prefix)
-        return await super().list(prefix)
 
 
 async def test_without_budgets_a_round_does_not_list_the_replicas() -> None:

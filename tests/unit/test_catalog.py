@@ -31,8 +31,8 @@ from controlplane.model import (
     encode,
 )
 from controlplane.store import Conflict, Fence
-from controlplane.store.base import Listing
 from controlplane.store.memory import MemoryStore
+from tests.latestores import ListingStore
 
 
 @pytest.fixture
@@ -556,24 +556,12 @@ async def test_put_healths_writes_many_origins_in_as_few_transactions_as_etcd_ta
     assert (await catalog.snapshot()).revision == before + 3
 
 
-class ListingsSeen(MemoryStore):
-    """A MemoryStore that remembers each prefix listed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.listed: list[str] = []
-
-    async def list(self, prefix: str) -> Listing:
-        self.listed.append(prefix)
-        return await super().list(prefix)
-
-
 async def test_admin_reads_that_need_no_keys_do_not_read_them() -> None:
     """Trial 83, at 20,000 keys: `get regions` took 7 s, `get origins` 6 s,
     `get tenants` 9 s and each `key create` 6 to 12 s, every one reading
     and decoding the whole state, keys included. Each reads the prefixes it
     needs now, and answers the same."""
-    store = ListingsSeen()
+    store = ListingStore()
     catalog = Catalog(store)
     await catalog.put_region(region(), allow_update=False)
     await catalog.put_origin(origin(), allow_update=False)
