@@ -349,26 +349,27 @@ class Catalog:
         self, healths: Sequence[OriginHealth], *, fence: Fence | None = None
     ) -> None:
         """As put_health, for several origins in as few transactions as etcd
-        takes (MAX_TXN_OPS): one table is rebuilt for them, not one each.
-        A transaction is all or nothing; one that failed leaves those before
-        it written."""
-        checks = [fence] if fence is not None else []
-        step = MAX_TXN_OPS - len(checks)
-        for i in range(0, len(healths), step):
-            writes = [Write(HEALTH + h.origin, encode(h)) for h in healths[i : i + step]]
-            await _guard(self.store.commit(writes, checks))
+        takes (_commit_batched): one table is rebuilt for them, not one each."""
+        writes = [Write(HEALTH + h.origin, encode(h)) for h in healths]
+        await self._commit_batched(writes, fence)
 
     async def delete_healths(self, origins: Iterable[str], *, fence: Fence | None = None) -> None:
-        """Delete the health records of `origins` (leader-only, as
+        """Delete the health records of `origins` (leader-only, batched as
         put_healths): records whose origin is gone. A probe round that read
         an origin just before it was deleted writes its health after
         delete_origin dropped it, and nothing else deletes that record."""
+        await self._commit_batched([Write(HEALTH + name, None) for name in origins], fence)
+
+    async def _commit_batched(self, writes: Sequence[Write], fence: Fence | None) -> None:
+        """Commit `writes` in as few transactions as etcd takes (MAX_TXN_OPS
+        less the fence, within txn_size's bound), each checking `fence` when
+        one is given. A
+        transaction is all or nothing; one that failed leaves those before
+        it written."""
         checks = [fence] if fence is not None else []
-        names = list(origins)
         step = MAX_TXN_OPS - len(checks)
-        for i in range(0, len(names), step):
-            writes = [Write(HEALTH + name, None) for name in names[i : i + step]]
-            await _guard(self.store.commit(writes, checks))
+        for i in range(0, len(writes), step):
+            await _guard(self.store.commit(writes[i : i + step], checks))
 
     # ------------------------------------------------------------ regions
 

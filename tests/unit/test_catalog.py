@@ -556,6 +556,26 @@ async def test_put_healths_writes_many_origins_in_as_few_transactions_as_etcd_ta
     assert (await catalog.snapshot()).revision == before + 3
 
 
+async def test_delete_healths_deletes_many_origins_in_as_few_transactions_as_etcd_takes(
+    catalog: Catalog, store: MemoryStore
+) -> None:
+    """The health of 300 deleted origins goes in three transactions (at most
+    127 and a fence each), as put_healths writes it; none once the fence is
+    lost."""
+    leader = await store.put("/ponto/leader", b"me")
+    fence = Fence("/ponto/leader", leader)
+    healths = [OriginHealth(f"o{i:03d}", healthy=True) for i in range(300)]
+    await catalog.put_healths(healths, fence=fence)
+    with pytest.raises(Conflict):
+        await catalog.delete_healths(["o000"], fence=Fence("/ponto/leader", leader + 99))
+    before = await catalog.snapshot()
+    assert len(before.health) == 300
+    await catalog.delete_healths((h.origin for h in healths[:299]), fence=fence)
+    after = await catalog.snapshot()
+    assert after.revision == before.revision + 3
+    assert list(after.health) == ["o299"]
+
+
 async def test_admin_reads_that_need_no_keys_do_not_read_them() -> None:
     """Trial 83, at 20,000 keys: `get regions` took 7 s, `get origins` 6 s,
     `get tenants` 9 s and each `key create` 6 to 12 s, every one reading
