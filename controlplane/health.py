@@ -187,15 +187,16 @@ def health_line(health: OriginHealth, fall: int, *, passed: bool = False) -> str
 
 # Changes of load alone are written at most this often, for all origins
 # together (by this leader's monotonic clock: the records' `checked_at` are
-# wall clocks, maybe another leader's), in as few transactions as etcd takes,
-# so that they rebuild and push one table every interval at most: each
-# write rebuilds and pushes the table, an origin of capacity 4 moves by a
-# tenth of it with every request, and with a limit per origin the origins'
-# writes fell in different rounds, up to a table a round (the builder's
-# quiet period merges one round's writes; trial 85: 150 origins pushed 0.67
-# tables a second, now 0.20). The table's loads serve spilling between regions and what operators
-# read, which a few seconds' lag does not hurt: placement inside a region
-# reads the live loads (/ponto/load, every half second, no table).
+# wall clocks, maybe another leader's), in as few transactions as etcd takes:
+# each write rebuilds and pushes the table, and an origin of capacity 4 moves
+# by a tenth of it with every request. Together, so one table an interval at
+# most whatever the number of origins; not per origin: the builder's quiet
+# period merges one round's writes only, and intervals per origin fall in
+# different rounds, up to a table a round (trial 85, 150 origins: 0.67 tables
+# a second so, 0.20 together). The table's loads serve spilling between
+# regions and what operators read, which a few seconds' lag does not hurt:
+# placement inside a region reads the live loads (/ponto/load, every half
+# second, no table).
 LOAD_WRITE_INTERVAL_S = 5.0
 
 # What a probe's result changes of the record last written (`change`).
