@@ -341,13 +341,12 @@ def _repaid_at(bucket: TokenBucket | None, now: float, wall: float) -> float:
 
 def _expected(st: _Scope, est_tokens: int, most: int | None, choices: int = 1) -> float:
     """The completion a budgeted scope is charged beforehand for a prompt of
-    `est_tokens`: its expected completion times the `choices` asked for (`n`:
-    each is an answer's length; trial 86: an `n: 8` request was charged one),
-    no more than the request's bound
-    (`most`: see tokens.completion_bound; None: it states none), and capped
-    so that prompt and completion fit the smallest budget whole. A prompt
-    that fits it, but not with the completion expected, was refused as
-    spent, and so again every period, or until the completions of the
+    `est_tokens`: its expected completion times the `choices` asked for
+    (tokens.completion_choices: each is as long as one answer), no more than
+    the request's bound (`most`: see tokens.completion_bound; None: it states
+    none), and capped so that prompt and completion fit the smallest budget
+    whole: a prompt that fits it, but not with the completion expected,
+    would be refused as spent every period, or until the completions of the
     others got shorter."""
     expected = st.completion * choices
     if most is not None and most < expected:
