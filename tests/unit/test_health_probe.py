@@ -683,11 +683,8 @@ async def test_a_redirect_is_no_passing_probe(
 async def test_health_of_an_origin_deleted_during_its_probe_goes_next_round(
     fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
 ) -> None:
-    origin, server = fake_origin
-    catalog = await make_catalog(
-        Origin("o1", str(server.make_url("/v1")), "eu-west", ("llama-3",), capacity=10)
-    )
-    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    origin, _ = fake_origin
+    catalog, prober = await one_origin(fake_origin)
     origin.status = 503  # a verdict a new o1 must not start from
 
     async def delete() -> None:
