@@ -672,8 +672,8 @@ class Pipeline:
         # completion expected also stands for that prompt (review).
         most, choices = None, 1
         if limiter.budgeted and not continues_stored(ex.endpoint.name, ex.body):
-            most = completion_bound(ex.endpoint.name, ex.body)
             choices = completion_choices(ex.endpoint.name, ex.body)
+            most = completion_bound(ex.endpoint.name, ex.body, choices)
         now = time.monotonic()
         admission = limiter.admit(scopes, ex.estimate, now, most=most, choices=choices)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):

@@ -268,13 +268,16 @@ _COMPLETION_FIELDS = {
 }
 
 
-def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
+def completion_bound(
+    endpoint: str, body: Mapping[str, Any], choices: int | None = None
+) -> int | None:
     """The most tokens the answer's completion can come to, as the request
     states it: 0 for embeddings and rerank (NO_COMPLETION); a chat's `max_completion_tokens`
     or `max_tokens`, a completion's `max_tokens` or a Responses request's
-    `max_output_tokens`, times its choices (completion_choices: `n`, a
-    completion's `best_of` when larger); None when it states none (or not as
-    an integer: validation is the handler's)."""
+    `max_output_tokens`, times its choices (`choices` when the caller has
+    them, else completion_choices: `n`, a completion's `best_of` when
+    larger); None when it states none (or not as an integer: validation is
+    the handler's)."""
     if endpoint in NO_COMPLETION:
         return 0
     fields = _COMPLETION_FIELDS.get(endpoint)
@@ -288,7 +291,7 @@ def completion_bound(endpoint: str, body: Mapping[str, Any]) -> int | None:
             break
     if type(bound) is not int or bound < 0:
         return None
-    return bound * completion_choices(endpoint, body)
+    return bound * (completion_choices(endpoint, body) if choices is None else choices)
 
 
 # The fields that ask for several completions, per endpoint, as validation
