@@ -204,6 +204,10 @@ def refuse_some(system: StatusFleet) -> None:
     assert 429 in codes
 
 
+def page_loaded(driver: webdriver.Chrome) -> bool:
+    return bool(driver.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
+
+
 def refusals_shown(driver: webdriver.Chrome) -> bool:
     """Whether the default tenant's row shows a refusal rate above 0 (not a dash)."""
     cells = limits_row(driver, OPEN_TENANT)
@@ -237,17 +241,32 @@ def test_refusals_while_nobody_viewed_the_page_show_when_it_is_opened(
     opened seconds after them. The replica sampled the proxies' reports
     meanwhile, so the page shows them at once. The waits are real time: the
     page must have been closed for longer than the rates' window before the
-    burst, so that no sample a view took is left in it."""
-    browser.get("about:blank")  # nobody views the page from here on
+    burst, so that no sample a view took is left in it.
+
+    The rates are over the window (three report writes, 6 s here) from the
+    proxy's last report: a page that loaded later than that after the burst
+    shows its rate as past, rightly. A loaded CI run once took that long to
+    open the page; such an attempt proves nothing either way and is made
+    again, while a page loaded within the window must show the refusals."""
+    window = STALE_REPORTS * TRAFFIC_EVERY_S
     put_default(system, pb.Limits(rpm=2))
     try:
-        time.sleep(STALE_REPORTS * TRAFFIC_EVERY_S + 1.0)
-        refuse_some(system)
-        # Reported within a second, written to etcd within TRAFFIC_EVERY_S.
-        time.sleep(TRAFFIC_EVERY_S + 1.0)
-        browser.get(system.page)
-        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
-        wait(browser, refusals_shown, "refusals made while nobody viewed the page never shown")
+        for _ in range(3):
+            browser.get("about:blank")  # nobody views the page from here on
+            time.sleep(window + 1.0)
+            refuse_some(system)
+            burst_end = time.monotonic()
+            # Reported within a second, written to etcd within TRAFFIC_EVERY_S.
+            time.sleep(TRAFFIC_EVERY_S + 1.0)
+            browser.get(system.page)
+            wait(browser, page_loaded)
+            loaded_after = time.monotonic() - burst_end
+            if loaded_after <= window - 1.0:
+                wait(browser, refusals_shown, "refusals made while nobody viewed never shown")
+                break
+            # Loaded too late to judge: shown or not, the attempt says nothing.
+        else:
+            pytest.fail(f"the page never loaded within {window - 1.0} s of the refusals")
     finally:
         put_default(system, pb.Limits())
     assert served_region(system, "proxy-us-east")  # open again for the tests after
