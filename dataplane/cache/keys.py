@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from dataplane import jsonio
@@ -442,12 +442,16 @@ def _layout(content: Any) -> list[Any] | None:
     return layout
 
 
-def last_user_text(messages: Sequence[Any]) -> str | None:
+def last_user_text(
+    messages: Sequence[Any], may_fit: Callable[[str], bool] | None = None
+) -> str | None:
     """The text of the last user message (text parts joined by a space) as the
     semantic layer reads it: NFKC (textform.nfkc), every run of whitespace
     made one space, line breaks included, but within a quote on one line
     (textform.fold_line), and trimmed; None when there is no user message or
-    it holds no text.
+    it holds no text, or when `may_fit` says that text, as sent, cannot fit
+    the embedder (`Embedder.may_fit`), so that it is not normalised for
+    nothing.
 
     One line, unlike a text of several lines in the key (`normalise_text`):
     the semantic layer's entity checks (dataplane.cache.entities) take a line
@@ -462,7 +466,7 @@ def last_user_text(messages: Sequence[Any]) -> str | None:
     if idx is None:
         return None
     text = _text_of(messages[idx].get("content"))
-    if text is None:
+    if text is None or (may_fit is not None and not may_fit(text)):
         return None
     return _one_line(text) or None
 

@@ -434,6 +434,18 @@ class SemanticIndex:
 
     # -- the API (event loop thread) ---------------------------------------------
 
+    def may_fit(self, text: str) -> bool:
+        """Whether `text`, a last user message's text as sent, may fit the
+        embedder's window once normalised (`Embedder.may_fit`): False only
+        for one `lookup` and `insert` would find too long, counted as such.
+        Cheap (no normalisation, no tokenizer): the caller asks it on the
+        event loop before it normalises the text, which for a document of
+        megabytes costs far more than the lookup it would feed."""
+        if self._embedder.may_fit(text):
+            return True
+        self.stats.too_long += 1
+        return False
+
     async def lookup(
         self,
         tenant: str,

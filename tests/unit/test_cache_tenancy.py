@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from dataplane.assemble import NO_RULES
 from dataplane.cache.coalesce import Follower, Leader
-from dataplane.cache.embed import HashingEmbedder
+from dataplane.cache.embed import Embedder, HashingEmbedder
 from dataplane.cache.keys import CHAT
 from dataplane.cache.policy import CacheMode, TenantCachePolicy
 from dataplane.cache.semantic import SemanticIndex
@@ -126,9 +126,12 @@ async def test_an_answer_that_arrives_after_a_purge_is_served_but_not_kept() -> 
     assert (await edge.plan(request("tenant-a"))).outcome == "hit"  # kept from then on
 
 
-def semantic_edge() -> tuple[EdgeCache, SemanticIndex, CacheRequest]:
-    """A cache step with a semantic index, and a request of a semantic tenant."""
-    index = SemanticIndex(HashingEmbedder())
+def semantic_edge(
+    embedder: Embedder | None = None,
+) -> tuple[EdgeCache, SemanticIndex, CacheRequest]:
+    """A cache step with a semantic index (of `embedder`, by default the
+    hashing fake), and a request of a semantic tenant."""
+    index = SemanticIndex(embedder or HashingEmbedder())
     edge = EdgeCache(
         ExactStore(max_bytes=1 << 20, clock=lambda: NOW),
         Metrics(),
@@ -147,6 +150,46 @@ async def semantic_hit(edge: EdgeCache, req: CacheRequest) -> bool:
     )
     hit = await edge.plan(CacheRequest(CHAT, near, req.tenant, stream=False))
     return (hit.outcome, hit.kind) == ("hit", "semantic")
+
+
+class EightWords(HashingEmbedder):
+    """The fake with a window of eight words, that records the texts it is asked of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def fits(self, text: str) -> bool:
+        return len(text.split()) <= 8
+
+    def may_fit(self, text: str) -> bool:
+        self.asked.append(text)
+        return self.fits(text)
+
+
+async def test_a_text_past_the_window_is_matched_exactly_only_and_never_normalised() -> None:
+    """A pasted document (trial 89: 8 MB in the last user message) is told
+    too long for the embedder from its words as sent: its plan has no
+    semantic text and no namespace, both of which cost a pass over the
+    document on the event loop (0.4 s for 8 MB), and the index is neither
+    searched nor grown. The exact cache still keeps and answers it."""
+    embedder = EightWords()
+    edge, index, req = semantic_edge(embedder)
+    try:
+        document = "  ".join(["\uff21word"] * 9)  # NFKC and folding would change it
+        long = CacheRequest(CHAT, dict(BODY, messages=[{"role": "user", "content": document}]),
+                            req.tenant, stream=False)  # fmt: skip
+        plan = await edge.plan(long)
+        assert (plan.outcome, plan.text, plan.context) == ("miss", "", "")
+        assert embedder.asked == [document]  # as sent
+        await settle_whole(edge, long, plan, ANSWER)
+        await edge.background_done()
+        assert len(index) == 0 and index.stats.lookups == 0 and index.stats.too_long == 1
+        assert (await edge.plan(long)).outcome == "hit"
+        short = await edge.plan(req)
+        assert short.text == "what is the capital of portugal" and short.context
+    finally:
+        index.close()
 
 
 async def test_a_follower_whose_leader_left_leads_as_the_leader_would_have() -> None:

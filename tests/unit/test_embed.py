@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dataplane.cache.embed import MAX_FIT_CHARS, Embedder, HashingEmbedder, MiniLmOnnxEmbedder
+from dataplane.cache.keys import last_user_text
 
 _minilm: MiniLmOnnxEmbedder | None = None
 
@@ -100,6 +101,20 @@ def test_minilm_semantics_and_window() -> None:
     assert e.dim == 384
     assert not e.fits("word " * 300)  # past the 256 word-piece window
     assert e.fits("word " * 100)
+
+
+def test_minilm_may_fit_is_false_only_for_texts_no_normalisation_makes_fit() -> None:
+    """`may_fit` counts words, which folding whitespace and NFKC keep: a
+    text of few words spread out by whitespace may fit once folded, one of
+    more words than the window has pieces never does, however laid out."""
+    e = minilm()
+    spread = ("word" + " " * 60) * 200  # 12,800 characters, 200 words
+    assert e.may_fit(spread) and e.fits(last_user_text([{"role": "user", "content": spread}]) or "")
+    for text in ("word " * 300, "word\n\n" * 300, "\u00a0word" * 300, "x" * 100 + " y" * 254):
+        assert not e.may_fit(text)
+        assert not e.fits(last_user_text([{"role": "user", "content": text}]) or "")
+    assert e.may_fit("x" * 100 + " y" * 253)
+    assert HashingEmbedder().may_fit("word " * 300)  # no window
 
 
 class CountingTokenizer:
