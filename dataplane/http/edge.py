@@ -538,108 +538,119 @@ class EdgeProtocol(web_protocol.RequestHandler):
         # task up per request, a getpid system call each on Python 3.11).
         task = asyncio.current_task(loop)
 
-        while not self._force_close:
-            if not self._messages:
+        try:
+            while not self._force_close:
+                if not self._messages:
+                    try:
+                        # wait for next request
+                        self._waiter = loop.create_future()
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+
+                message, payload = self._messages.popleft()
+
+                # Free a parser slot; resume reading once drained to low water so
+                # pipelining keeps flowing while this request is handled.
+                if self._parser is not None:  # pragma: no branch
+                    self._parser.message_consumed()
+                if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
+                    self._resume_reading_if_drained()
+
+                start = loop.time() if self._logging_enabled else None
+
+                manager.requests_count += 1
+                writer = StreamWriter(self, loop)
+                if isinstance(message, web_protocol._ErrInfo):
+                    request_handler = self._make_error_handler(message)
+                    message = web_protocol.ERROR
+                else:
+                    request_handler = self._request_handler
+
+                request = self._request_factory(
+                    message,
+                    payload,
+                    self,
+                    writer,
+                    self._task_handler or task,  # type: ignore[arg-type]
+                )
                 try:
-                    # wait for next request
-                    self._waiter = loop.create_future()
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                    try:
+                        resp, reset = await self._handle(request, start, request_handler)
+                    except ConnectionError:
+                        self.log_debug("Ignored premature client disconnection")
+                        break
 
-            message, payload = self._messages.popleft()
+                    if reset:
+                        self.log_debug("Ignored premature client disconnection 2")
+                        break
 
-            # Free a parser slot; resume reading once drained to low water so
-            # pipelining keeps flowing while this request is handled.
-            if self._parser is not None:  # pragma: no branch
-                self._parser.message_consumed()
-            if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
-                self._resume_reading_if_drained()
+                    # notify server about keep-alive
+                    self._keepalive = bool(resp.keep_alive)
 
-            start = loop.time() if self._logging_enabled else None
+                    # check payload
+                    if not payload.is_eof():
+                        lingering_time = self._lingering_time
+                        if not self._force_close and lingering_time:
+                            self.log_debug(
+                                "Start lingering close timer for %s sec.", lingering_time
+                            )
 
-            manager.requests_count += 1
-            writer = StreamWriter(self, loop)
-            if isinstance(message, web_protocol._ErrInfo):
-                request_handler = self._make_error_handler(message)
-                message = web_protocol.ERROR
-            else:
-                request_handler = self._request_handler
+                            now = loop.time()
+                            end_t = now + lingering_time
+                            # This task serves every request of the connection: only
+                            # a cancellation arriving now stops it (aiohttp asks for
+                            # any, which a per-request task could only have now).
+                            cancels = task.cancelling() if task is not None else 0
 
-            request = self._request_factory(
-                message,
-                payload,
-                self,
-                writer,
-                self._task_handler or task,  # type: ignore[arg-type]
-            )
-            try:
-                try:
-                    resp, reset = await self._handle(request, start, request_handler)
-                except ConnectionError:
+                            try:
+                                while not payload.is_eof() and now < end_t:
+                                    async with ceil_timeout(end_t - now):
+                                        # read and ignore
+                                        await payload.readany()
+                                    now = loop.time()
+                            except (asyncio.CancelledError, TimeoutError):
+                                if task is not None and task.cancelling() > cancels:
+                                    raise
+
+                        # if payload still uncompleted
+                        if not payload.is_eof() and not self._force_close:
+                            self.log_debug("Uncompleted request.")
+                            self.close()
+
+                    payload.set_exception(web_protocol._PAYLOAD_ACCESS_ERROR)
+
+                except asyncio.CancelledError:
                     self.log_debug("Ignored premature client disconnection")
+                    self.force_close()
+                    raise
+                except Exception as exc:
+                    self.log_exception("Unhandled exception", exc_info=exc)
+                    self.force_close()
+                except BaseException:
+                    self.force_close()
+                    raise
+                finally:
+                    request._task = None  # type: ignore[assignment]  # a reference cycle otherwise
+                    if self.transport is None and resp is not None:
+                        self.log_debug("Ignored premature client disconnection.")
+
+                if self._keepalive and not (self._close or self._force_close or self._last):
+                    # start keep-alive timer
+                    close_time = loop.time() + keepalive_timeout
+                    self._next_keepalive_close_time = close_time
+                    if self._keepalive_handle is None:
+                        self._keepalive_handle = loop.call_at(close_time, self._process_keepalive)
+                else:
                     break
-
-                if reset:
-                    self.log_debug("Ignored premature client disconnection 2")
-                    break
-
-                # notify server about keep-alive
-                self._keepalive = bool(resp.keep_alive)
-
-                # check payload
-                if not payload.is_eof():
-                    lingering_time = self._lingering_time
-                    if not self._force_close and lingering_time:
-                        self.log_debug("Start lingering close timer for %s sec.", lingering_time)
-
-                        now = loop.time()
-                        end_t = now + lingering_time
-                        # This task serves every request of the connection: only
-                        # a cancellation arriving now stops it (aiohttp asks for
-                        # any, which a per-request task could only have now).
-                        cancels = task.cancelling() if task is not None else 0
-
-                        try:
-                            while not payload.is_eof() and now < end_t:
-                                async with ceil_timeout(end_t - now):
-                                    # read and ignore
-                                    await payload.readany()
-                                now = loop.time()
-                        except (asyncio.CancelledError, TimeoutError):
-                            if task is not None and task.cancelling() > cancels:
-                                raise
-
-                    # if payload still uncompleted
-                    if not payload.is_eof() and not self._force_close:
-                        self.log_debug("Uncompleted request.")
-                        self.close()
-
-                payload.set_exception(web_protocol._PAYLOAD_ACCESS_ERROR)
-
-            except asyncio.CancelledError:
-                self.log_debug("Ignored premature client disconnection")
-                self.force_close()
-                raise
-            except Exception as exc:
-                self.log_exception("Unhandled exception", exc_info=exc)
-                self.force_close()
-            except BaseException:
-                self.force_close()
-                raise
-            finally:
-                request._task = None  # type: ignore[assignment]  # a reference cycle otherwise
-                if self.transport is None and resp is not None:
-                    self.log_debug("Ignored premature client disconnection.")
-
-            if self._keepalive and not (self._close or self._force_close or self._last):
-                # start keep-alive timer
-                close_time = loop.time() + keepalive_timeout
-                self._next_keepalive_close_time = close_time
-                if self._keepalive_handle is None:
-                    self._keepalive_handle = loop.call_at(close_time, self._process_keepalive)
-            else:
-                break
+        finally:
+            # Not held by its own frame: a cancellation (the client left, under
+            # handler_cancellation) ends this task with the frame in the
+            # exception's traceback, which the task keeps, a cycle that only
+            # the garbage collector frees, and with it the last request and
+            # its body (trial 89: 10 MB more RSS for every 5 MB request whose
+            # client then closed its connection, until a full collection).
+            del task
 
         # remove handler, close transport if no handlers left
         if not self._force_close:
