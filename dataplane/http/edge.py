@@ -634,6 +634,12 @@ class EdgeProtocol(web_protocol.RequestHandler):
                     request._task = None  # type: ignore[assignment]  # a reference cycle otherwise
                     if self.transport is None and resp is not None:
                         self.log_debug("Ignored premature client disconnection.")
+                # Nothing of an answered request is kept while the connection
+                # waits for its next one: a pooled client's idle connection held
+                # its last body (megabytes for a document or an image) for up to
+                # the keep-alive timeout.
+                del request, message, payload
+                resp = None
 
                 if self._keepalive and not (self._close or self._force_close or self._last):
                     # start keep-alive timer

@@ -75,3 +75,43 @@ async def test_a_request_is_freed_when_its_client_closes_the_connection(
         assert len(seen) == 1 and seen[0]() is None
     finally:
         await runner.cleanup()
+
+
+async def test_an_answered_request_is_freed_while_its_connection_waits_for_the_next(
+    no_collector: None,
+) -> None:
+    """A pooled client's idle connection holds nothing of its last request
+    while it waits (up to --keepalive-timeout) for the next one."""
+    seen: list[weakref.ref[web.BaseRequest]] = []
+
+    async def read(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(weakref.ref(request))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/read", read)
+    runner = (await listen(app))[0]
+    port = runner.addresses[0][1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"x" * 100_000
+        writer.write(
+            b"POST /v1/read HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 2" in head
+        assert await asyncio.wait_for(reader.readexactly(2), WAIT) == b"ok"
+        server = runner.server
+        assert server is not None
+        [conn] = server.connections
+        # The answer is out; the connection's task goes back to waiting.
+        while conn._waiter is None:
+            await asyncio.sleep(0)
+        assert len(seen) == 1 and seen[0]() is None
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await runner.cleanup()
