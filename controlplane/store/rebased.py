@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from controlplane.store.base import (
     Conflict,
@@ -98,6 +98,8 @@ class RebasedStore:
         return revision
 
     def _kv(self, kv: KeyValue) -> KeyValue:
+        if not self._base:
+            return kv  # records are frozen: a store never restored hands out etcd's own
         created = kv.create_revision + self._base if kv.create_revision else 0
         return KeyValue(kv.key, kv.value, kv.mod_revision + self._base, kv.lease, created)
 
@@ -216,7 +218,16 @@ class RebasedStore:
                 self._adopt(stored)
             else:
                 await self.ensure_above(self.highest)
-        return tuple(self._kv(kv) for kv in items if kv.key != BASE_KEY)
+        return self._all(kv for kv in items if kv.key != BASE_KEY)
+
+    def _all(self, items: Iterable[KeyValue]) -> tuple[KeyValue, ...]:
+        """`items` with the base added. Under base 0 (no restore ever) they
+        are the inner store's records as they are: at 20,000 keys, making
+        each again held the event loop about 0.1 s a listing of the state
+        (up to 0.7 s on a busy machine during a bulk key load)."""
+        if not self._base:
+            return tuple(items)
+        return tuple(self._kv(kv) for kv in items)
 
     # ------------------------------------------------------------ StateStore
 
@@ -231,13 +242,13 @@ class RebasedStore:
         if BASE_KEY.startswith(prefix):
             items = await self._learn(listing.items, listing.revision)
         else:
-            items = tuple(self._kv(kv) for kv in listing.items)
+            items = self._all(listing.items)
         return Listing(self._out(listing.revision), items)
 
     async def scan(self, start: str, end: str, *, limit: int = 0) -> Listing:
         await self._ready()
         listing = await self.inner.scan(start, end, limit=limit)
-        items = tuple(self._kv(kv) for kv in listing.items if kv.key != BASE_KEY)
+        items = self._all(kv for kv in listing.items if kv.key != BASE_KEY)
         return Listing(self._out(listing.revision), items)
 
     async def count(self, start: str, end: str) -> int:
