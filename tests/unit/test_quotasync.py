@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from controlplane import quotasync
 from controlplane.catalog import LEADER_KEY, Catalog
 from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
@@ -823,3 +824,46 @@ async def test_no_limits_means_default_fraction_zero_and_no_pushes_on_join() -> 
         waiting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
+
+
+async def test_a_tables_limits_are_read_once_not_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 20,000 keys reading every key's limits was 30 ms of the leader's
+    event loop a round (a round a second); a new table's limits apply at the
+    next round."""
+    tables: list[pb.RouteTable] = []
+
+    def counted(table: pb.RouteTable) -> dict[str, ScopeLimits]:
+        tables.append(table)
+        return limits_of_table(table)
+
+    monkeypatch.setattr(quotasync, "limits_of_table", counted)
+    fleet = Fleet(limited_table())
+    await fleet.lead()
+    await fleet.register("p1", "p2")
+    rebalancer = fleet.rebalancer()
+    for _ in range(3):
+        await rebalancer.round()
+    assert len(tables) == 1
+    shares, *_ = await fleet.shares()
+    assert sum(shares[p]["t/acme"].concurrency for p in shares) == 10
+    snap = fleet.publisher.publish(limited_table(11, concurrency=4))
+    assert snap is not None
+    await rebalancer.round()
+    await rebalancer.round()
+    assert tables == [tables[0], snap.table]
+    shares, *_ = await fleet.shares()
+    assert sum(shares[p]["t/acme"].concurrency for p in shares) == 4
+
+
+def test_limits_of_table_reads_limits_of_zeros_as_none() -> None:
+    table = pb.RouteTable(
+        tenants=[pb.Tenant(name="zeros", limits=pb.Limits()), pb.Tenant(name="day")],
+        keys=[pb.ApiKey(id="cccccccccc", limits=pb.Limits(tokens_per_month=9))],
+    )
+    table.tenants[1].limits.tokens_per_day = 5
+    assert limits_of_table(table) == {
+        "t/day": ScopeLimits(tokens_per_day=5),
+        "k/cccccccccc": ScopeLimits(tokens_per_month=9),
+    }
