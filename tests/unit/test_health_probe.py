@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +21,7 @@ from controlplane.health import (
     AT_ONCE,
     LOAD,
     LOAD_WRITE_INTERVAL_S,
+    PROBES_A_TURN,
     UNCHANGED,
     Prober,
     ProbeSettings,
@@ -790,3 +792,52 @@ def test_the_health_line_never_reads_healthy_because_a_probe_failed() -> None:
         "origin o1 is healthy until 2 probes in a row fail"
         " (the last: probe failed: ClientConnectorCertificateError)"
     )
+
+
+class Turns:
+    """Counts the event loop's turns: a callback that schedules itself again."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self._handle = asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.now += 1
+        self._handle = asyncio.get_running_loop().call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
+async def test_a_rounds_probes_start_a_few_a_turn_of_the_loop_and_all_run_at_once(
+    session: aiohttp.ClientSession,
+) -> None:
+    """Started all in one turn, 300 origins' probes held the leader's loop
+    0.1 to 0.7 s a round on a busy machine: its election unanswered. Each
+    still starts before any ends, so one slow origin delays none."""
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    count = 3 * PROBES_A_TURN + 5
+    catalog = await make_catalog(
+        *(Origin(f"o{i}", url, "eu-west", ("llama-3",)) for i in range(count))
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    turns = Turns()
+    started: dict[str, int] = {}
+    all_started = asyncio.Event()
+
+    async def probed(session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
+        started[origin.name] = turns.now
+        if len(started) == count:
+            all_started.set()
+        await all_started.wait()  # none ends before the last starts
+        return None
+
+    prober._probe = probed  # type: ignore[method-assign]
+    try:
+        await probe(prober, session)
+    finally:
+        turns.stop()
+    assert len(started) == count
+    per_turn = collections.Counter(started.values())
+    assert max(per_turn.values()) == PROBES_A_TURN
+    assert len(per_turn) == 4
