@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -459,6 +460,20 @@ async def over_etcd(settings: Settings) -> ControlPlane:
     return ControlPlane(settings, store, metrics=metrics)
 
 
+async def freeze_when_built(publisher: Publisher, freeze: Callable[[], None] = gc.freeze) -> None:
+    """Once the first route table is published, collect and `freeze` what the
+    process holds then (its modules, the state decoded, the table): moved out
+    of the collector's generations, it is not traversed again by every full
+    collection. At 20,000 keys those ran about once a second during a bulk
+    key load, 50 ms of CPU each (up to 0.7 s on a busy machine), on the
+    event loop or in the worker thread decoding the state, which holds the
+    loop as long. Objects frozen are still freed when no longer referenced;
+    only cycles among them are kept."""
+    await publisher.next_after(None)
+    gc.collect()
+    freeze()
+
+
 async def serve(settings: Settings) -> int:
     """Run a replica until SIGTERM or SIGINT; the process's exit status (1:
     an address it cannot listen on, said in one line)."""
@@ -469,11 +484,14 @@ async def serve(settings: Settings) -> int:
         log.error("%s", exc)
         await plane.stop(grace=0)
         return 1
+    # The process's alone: a test's ControlPlane leaves its heap as it is.
+    frozen = asyncio.create_task(freeze_when_built(plane.publisher), name="heap-freeze")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
+    frozen.cancel()
     await plane.stop()
     return 0
