@@ -1604,6 +1604,33 @@ def _spent_per_key(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# Keys a ListKeys answer carries (pontoctl takes every page): about 220 KB.
+KEYS_PAGE = 1000
+
+
+def _list_keys(stub: Any, *, tenant: str = "", include_revoked: bool) -> apb.ListKeysResponse:
+    """Every key ListKeys lists with this filter, asked a page at a time
+    (each answer bounded, however many keys the fleet has), in one answer.
+    A control plane older than pages answers every key at once, with no
+    token: one call."""
+    whole = apb.ListKeysResponse()
+    token = ""
+    while True:
+        page = stub.ListKeys(
+            apb.ListKeysRequest(
+                tenant=tenant,
+                include_revoked=include_revoked,
+                page_size=KEYS_PAGE,
+                page_token=token,
+            )
+        )
+        whole.keys.extend(page.keys)
+        whole.spent.extend(page.spent)
+        token = page.next_page_token
+        if not token:  # each token names a later key than the one before
+            return whole
+
+
 def _render_keys(stub: Any, keys: apb.ListKeysResponse, output: str) -> str:
     """keys as output asks; a table marks the keys of deleted tenants and the
     unserved models on keys' lists (with the note that says why), and says
@@ -2266,13 +2293,11 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 lost,
             )
         if args.action == "list":
-            keys = stub.ListKeys(
-                apb.ListKeysRequest(tenant=args.tenant, include_revoked=not args.active)
-            )
+            keys = _list_keys(stub, tenant=args.tenant, include_revoked=not args.active)
             if args.active:
                 now = time.time()
                 live = [k for k in keys.keys if _key_state(k, now) == "active"]
-                keys = apb.ListKeysResponse(keys=live)
+                keys = apb.ListKeysResponse(keys=live, spent=keys.spent)
             return _render_keys(stub, keys, args.output)
         if args.action == "models":
             # A control plane older than model lists has no such call: UNIMPLEMENTED.
@@ -2298,7 +2323,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
 
         # Each saved only if no other change came since its limits were read.
         def key_limits() -> tuple[pb.Limits, pb.Limits, pb.Limits, Sequence[apb.BudgetSpent]]:
-            listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+            listed = _list_keys(stub, include_revoked=True)
             key = next((k for k in listed.keys if k.id == args.key), None)
             current = key.limits if key is not None else pb.Limits()
             limits = _limits_over(current, args, f"key {args.key!r}")
@@ -2406,7 +2431,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             shown = render(tenants, args.output, lambda r: _rows_tenants(r, served))
             return "\n".join([shown, *_tenant_notes(tenants.tenants, served)])
         if args.kind == "keys":
-            keys = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+            keys = _list_keys(stub, include_revoked=True)
             return _render_keys(stub, keys, args.output)
         if args.kind == "proxies":
             return render(stub.ListProxies(req), args.output, _rows_proxies)
@@ -2447,7 +2472,7 @@ def _revoke(stub: Any, key_id: str) -> str:
     control plane's revoke of a revoked key changes nothing and answers as
     if it had (and would record a revoke in the audit log). An unknown id
     goes on to the call, whose NOT_FOUND says so."""
-    listed = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+    listed = _list_keys(stub, include_revoked=True)
     current = next((k for k in listed.keys if k.id == key_id), None)
     if current is not None and current.revoked:
         return f"key {key_id} of tenant {current.tenant} was already revoked: nothing changed"
@@ -2462,7 +2487,7 @@ def _suspend(stub: Any, key_id: str, suspended: bool, reason: str | None = None)
     `reason` None: not given (a suspended key keeps its own); "": none."""
     if reason is not None:
         reason = reason.strip()  # as stored: one of spaces is none
-    before = stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+    before = _list_keys(stub, include_revoked=True)
     current = next((k for k in before.keys if k.id == key_id), None)
     asked = apb.SetKeySuspendedRequest(id=key_id, suspended=suspended, reason=reason)
     k = stub.SetKeySuspended(asked)

@@ -33,6 +33,7 @@ from controlplane.ejections import fleet_ejections
 from controlplane.errors import ChangedSinceRead, InvalidArgument, Unavailable
 from controlplane.fleetstate import unknown_why
 from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
+from controlplane.keypages import page_of
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -547,7 +548,20 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         keys = await self._catalog.list_keys(
             request.tenant, include_revoked=request.include_revoked
         )
-        return apb.ListKeysResponse(keys=[key_pb(k) for k in keys], spent=await self._spent("k/"))
+        page = page_of(
+            keys,
+            request.page_size,
+            request.page_token,
+            tenant=request.tenant,
+            include_revoked=request.include_revoked,
+        )
+        spent = await self._spent("k/")
+        if request.page_size or request.page_token:  # a page: its keys' spend alone
+            listed = {f"k/{k.id}" for k in page.keys}
+            spent = [s for s in spent if s.scope in listed]
+        return apb.ListKeysResponse(
+            keys=[key_pb(k) for k in page.keys], spent=spent, next_page_token=page.next_token
+        )
 
     @grpc_errors
     @audited(auditing.revoke_key)

@@ -884,18 +884,30 @@ class ListKeysRequest(_message.Message):
 
     TENANT_FIELD_NUMBER: _builtins.int
     INCLUDE_REVOKED_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     """Empty: every tenant's keys."""
     include_revoked: _builtins.bool
+    page_size: _builtins.int
+    """At most this many keys in the answer (above 5,000: 5,000); 0, every key
+    in one answer. Keys come ordered by tenant, creation time and id.
+    """
+    page_token: _builtins.str
+    """The next_page_token of the answer before, asked with the same tenant
+    and include_revoked; empty: from the first key.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         include_revoked: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_revoked", b"include_revoked", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_revoked", b"include_revoked", "page_size", b"page_size", "page_token", b"page_token", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -907,21 +919,27 @@ class ListKeysResponse(_message.Message):
 
     KEYS_FIELD_NUMBER: _builtins.int
     SPENT_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more keys follow this page: the next request's page_token."""
     @_builtins.property
     def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKeyInfo]: ...
     @_builtins.property
     def spent(self) -> _containers.RepeatedCompositeFieldContainer[Global___BudgetSpent]:
-        """What the budgeted keys spent (scope k/<id>)."""
+        """What the budgeted keys spent (scope k/<id>); of this answer's keys
+        alone when it is a page.
+        """
 
     def __init__(
         self,
         *,
         keys: _abc.Iterable[Global___ApiKeyInfo] | None = ...,
         spent: _abc.Iterable[Global___BudgetSpent] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "spent", b"spent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "next_page_token", b"next_page_token", "spent", b"spent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,89 @@
+"""Pages of the Admin API's ListKeys.
+
+Keys are listed in one order, (tenant, creation time, id), none of which a
+key ever changes; a page's token names the last key it gave and the filter
+it was asked with, and the next page starts after that key. So paging over
+keys being created and revoked gives every key that existed throughout
+exactly once (one created meanwhile is given if it sorts after the page
+being read), and a page costs nothing to remember: the token is the state.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controlplane.errors import InvalidArgument
+from controlplane.model import ApiKeyRecord
+
+# Answers past this many keys are still a few MB (about 220 bytes a key with
+# its spend): any client's default 4 MiB receive limit takes one.
+MAX_PAGE = 5000
+# The token's first field (matched in _after): a token of another form is
+# refused, not misread.
+_FORM = 1
+
+
+def listing_order(key: ApiKeyRecord) -> tuple[str, float, str]:
+    """Where a key is listed (Catalog.list_keys sorts by it)."""
+    return (key.tenant, key.created_at, key.id)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPage:
+    keys: Sequence[ApiKeyRecord]
+    # The next page's token; "" when no key follows.
+    next_token: str
+
+
+def page_of(
+    keys: Sequence[ApiKeyRecord], size: int, token: str, *, tenant: str, include_revoked: bool
+) -> KeyPage:
+    """The page of `keys` (listed, in listing_order, with the filter `tenant`
+    and `include_revoked`) that `size` and `token` ask for: at most `size`
+    keys (MAX_PAGE past it; 0, every key left) after the key `token` names.
+    InvalidArgument for a negative size, a token this function did not make,
+    or one made for another filter (its keys would be another listing's)."""
+    if size < 0:
+        raise InvalidArgument(f"page_size {size} is negative", field="page_size")
+    start = 0
+    if token:
+        after = _after(token, tenant, include_revoked)
+        start = bisect.bisect_right(keys, after, key=listing_order)
+    if not size:
+        return KeyPage(keys[start:], "")
+    end = start + min(size, MAX_PAGE)
+    page = keys[start:end]
+    more = end < len(keys)
+    return KeyPage(page, _token(page[-1], tenant, include_revoked) if more else "")
+
+
+def _token(last: ApiKeyRecord, tenant: str, include_revoked: bool) -> str:
+    fields = [_FORM, tenant, include_revoked, *listing_order(last)]
+    return base64.urlsafe_b64encode(json.dumps(fields).encode()).decode()
+
+
+def _after(token: str, tenant: str, include_revoked: bool) -> tuple[str, float, str]:
+    try:
+        fields = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
+    except (UnicodeEncodeError, binascii.Error, ValueError):
+        fields = None
+    match fields:
+        case [1, str(of_tenant), bool(of_revoked), str(t), int() | float() as at, str(key_id)]:
+            pass
+        case _:
+            raise InvalidArgument(
+                "page_token is not one ListKeys gave: ask without it for the first page",
+                field="page_token",
+            )
+    if (of_tenant, of_revoked) != (tenant, include_revoked):
+        raise InvalidArgument(
+            "page_token was given for another tenant or include_revoked: ask each page "
+            "with the first page's",
+            field="page_token",
+        )
+    return (t, float(at), key_id)
