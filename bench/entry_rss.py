@@ -28,6 +28,10 @@ from dataplane.cache.store import ExactStore
 
 SIZES = (300, 900, 2200)  # answer text in characters: short, typical, 256 tokens
 CHURN = 5  # entries evicted per entry kept at the end, as under a long load
+# Each answer and each request names its model in a string parsed from its own
+# body, and records its own clock reading, as under load: a one-letter name
+# (a string CPython keeps one of) and a constant time hid what those cost.
+MODEL = "sim-small"
 
 
 def rss_bytes() -> int:
@@ -43,7 +47,7 @@ def answer(i: int, text: str) -> bytes:
         {
             "id": f"chatcmpl-{i}",
             "object": "chat.completion",
-            "model": "m",
+            "model": MODEL,
             "choices": [
                 {
                     "index": 0,
@@ -64,10 +68,12 @@ async def fill(chars: int, bound_mb: int) -> dict[str, float]:
     text = "x" * chars
     i = 0
     while store.stats.evictions < CHURN * max(1, store.stats.entries):
-        entry = from_completion(answer(i, text), now=0.0)
+        entry = from_completion(answer(i, text), now=time.monotonic())
         assert entry is not None
         key = hashlib.sha256(b"%d" % i).hexdigest()
-        await store.put(key, entry, tenant="t", model="m", ttl_s=3600.0)
+        # The model as a request names it: a string parsed from its body.
+        model = MODEL.encode().decode()
+        await store.put(key, entry, tenant="t", model=model, ttl_s=3600.0)
         i += 1
     gc.collect()
     stats = store.stats

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -110,6 +111,11 @@ class CachedResponse:
     size: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # One string per model name however many entries name it: the name
+        # parsed from each answer is a string of its own (some 60 bytes an
+        # entry, which the store's SLOT_OVERHEAD does not count). Interned
+        # strings are freed with their last entry.
+        self.model = sys.intern(self.model)
         body, chunks = self.body, self.chunks
         if (body is None) == (chunks is None):
             raise ValueError("exactly one of body and chunks must be set")

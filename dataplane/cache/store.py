@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +23,11 @@ from dataplane.cache.entry import CachedResponse
 # that evicting and replacing entries leaves. Set from RSS, not from
 # tracemalloc (which sees about 480 B of it), so that `--cache-max-mb` bounds
 # what the cache adds to the process (issue 17). bench/entry_rss.py measures
-# it, a full store that evicted five times its entries for new keys: RSS
-# 1,576 / 2,087 / 3,460 B per entry for answers of 300 / 900 / 2,200 characters,
-# counted with this 1,771 / 2,370 / 3,670 B (6-14 % over: room for the
-# fragmentation a longer load adds, and for what the load itself holds
+# it, a full store that evicted five times its entries for new keys, each
+# answer and request naming its model in a string of its own, as under load:
+# RSS 1,516 / 1,995 / 3,348 B per entry for answers of 300 / 900 / 2,200
+# characters, counted with this 1,779 / 2,378 / 3,678 B (10-19 % over: room for
+# the fragmentation a longer load adds, and for what the load itself holds
 # beside a full cache; bench/memory.py: peak RSS within bound + base).
 SLOT_OVERHEAD = 900
 # Stale expiry pairs (of entries evicted, deleted or replaced) the heap may hold
@@ -261,6 +263,10 @@ class ExactStore:
         # A float made here (whatever the clock's type): _drop_stale_expiry
         # tells a live pair by this very object.
         expires_at = float(now) + ttl_s
+        # The model as each request named it, a string parsed from its body:
+        # one a name, as for the entry's own model (CachedResponse). The
+        # tenant's name is the route table's, already one a tenant.
+        model = sys.intern(model)
         entries[key] = _Slot(entry, tenant, model, expires_at, cost)
         # One set per tenant and model, made at its first entry only.
         keys = self._by_tenant.get(tenant)

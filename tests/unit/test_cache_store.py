@@ -253,6 +253,22 @@ async def test_a_store_at_its_bound_lets_evicted_keys_go() -> None:
     assert most <= len(store) // 4 + STALE_EXPIRY_SLACK + 1
 
 
+async def test_entries_of_one_model_share_its_name() -> None:
+    # Each request's model is a string parsed from its own body, as each
+    # answer's is: kept per entry, they cost some 60 bytes each that
+    # SLOT_OVERHEAD does not count (bench/entry_rss.py), so the store and the
+    # entry keep one string a name.
+    store = ExactStore(max_bytes=1 << 20, clock=FakeClock())
+    for n in range(3):
+        name = b"sim-small".decode()  # a new string each time, equal to the others
+        made = entry(model=b"sim-small".decode())
+        await store.put(f"key-{n}", made, tenant="t", model=name, ttl_s=600)
+    slots = list(store._entries.values())
+    assert {id(slot.model) for slot in slots} == {id(slots[0].model)}
+    assert {id(slot.entry.model) for slot in slots} == {id(slots[0].entry.model)}
+    assert slots[0].model == slots[0].entry.model == "sim-small"
+
+
 async def test_purge_and_delete_report_to_the_callback() -> None:
     calls: list[tuple[str, EvictReason]] = []
     store = ExactStore(
