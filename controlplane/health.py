@@ -342,7 +342,10 @@ class Prober:
         self, session: aiohttp.ClientSession, origins: list[Origin]
     ) -> list[asyncio.Task[OriginHealth | None]]:
         """A task probing each of `origins`, PROBES_A_TURN started a turn of
-        the loop; if this is cancelled meanwhile, those started are too."""
+        the loop. If this is cancelled meanwhile, those started are too, and
+        it ends once they have, as the gather of them does when cancelled:
+        the session they use (the caller's, closed once the round ends) is
+        not closed under requests still unwinding."""
         tasks: list[asyncio.Task[OriginHealth | None]] = []
         try:
             for i, origin in enumerate(origins):
@@ -352,6 +355,7 @@ class Prober:
         except BaseException:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return tasks
 

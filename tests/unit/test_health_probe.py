@@ -841,3 +841,43 @@ async def test_a_rounds_probes_start_a_few_a_turn_of_the_loop_and_all_run_at_onc
     per_turn = collections.Counter(started.values())
     assert max(per_turn.values()) == PROBES_A_TURN
     assert len(per_turn) == 4
+
+
+async def test_a_round_cancelled_while_its_probes_start_ends_after_those_started(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A term ending (its round cancelled) while the round still starts its
+    probes: the round ends once those started have unwound, as it does when
+    cancelled once all have started (gather), not before them with the
+    session they use then closed by the caller; a probe's own error does not
+    stand in for the cancellation."""
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    count = 2 * PROBES_A_TURN
+    catalog = await make_catalog(
+        *(Origin(f"o{i}", url, "eu-west", ("llama-3",)) for i in range(count))
+    )
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    started: list[str] = []
+    unwound: list[str] = []
+    round_: asyncio.Task[None] | None = None
+
+    async def probed(session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
+        started.append(origin.name)
+        if len(started) == 1:
+            raise RuntimeError("a probe's own defect")
+        if len(started) == 2:
+            assert round_ is not None
+            round_.cancel()  # the term ends before the next turn's probes start
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)  # unwinding takes turns, as a request's does
+            unwound.append(origin.name)
+        return None
+
+    prober._probe = probed  # type: ignore[method-assign]
+    round_ = asyncio.create_task(prober.probe_all(session))
+    with pytest.raises(asyncio.CancelledError):
+        await round_
+    assert len(started) == PROBES_A_TURN  # the next turn's never started
+    assert sorted(unwound) == sorted(started[1:])
