@@ -378,6 +378,7 @@ class Admission:
     __slots__ = (
         "_choices",
         "_day",
+        "_headers",
         "_most",
         "_open",
         "_reserved",
@@ -421,6 +422,9 @@ class Admission:
         self._most: int | None = None  # the completion's bound it stated
         self._choices = 1  # the completions it asked for (n)
         self._day = 0  # the UTC day its budgets were charged in
+        # An admitted request's x-ratelimit-* headers (RateLimiter.headers),
+        # made by `admit` as it charged its scopes.
+        self._headers: list[tuple[str, str]] = []
 
     @property
     def refused_scope(self) -> str:
@@ -1128,6 +1132,10 @@ class RateLimiter:
             )
 
         reserved: list[float] | None = None
+        # The scopes whose headers the admission shows (headers' choice, made
+        # here as each bucket is charged: see `headers`).
+        req_st = tok_st = None
+        req_left = tok_left = INF
         i = -1  # counted by hand, as in Admission.release
         for st in found:
             i += 1
@@ -1135,12 +1143,20 @@ class RateLimiter:
             st.in_flight = busy
             if busy > st.peak:  # noqa: PLR1730 - max() is a call, on the hot path
                 st.peak = busy
+            f = st.fraction
             req = st.req
             if req is not None:
-                req.level -= 1.0  # admits() has just refilled to `now`
+                # admits() has just refilled it to `now`.
+                req.level = level = req.level - 1.0
+                left = level / f if f > 0.0 else 0.0
+                if left < req_left:
+                    req_left, req_st = left, st
             tok = st.tok
             if tok is not None:
-                tok.level -= est_tokens
+                tok.level = level = tok.level - est_tokens
+                left = level / f if f > 0.0 else 0.0
+                if left < tok_left:
+                    tok_left, tok_st = left, st
             if st.budgeted:
                 # A budget is not repaid as a bucket is: it is charged the
                 # completion expected too, so that answers admitted on their
@@ -1151,6 +1167,7 @@ class RateLimiter:
                 st.day_used += est_tokens + expected
                 st.month_used += est_tokens + expected
         admission = Admission(True, found, est_tokens)
+        admission._headers = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
         admission._reserved = reserved
         admission._most = most
         admission._choices = choices
@@ -1224,66 +1241,71 @@ class RateLimiter:
         reset when the refusal's wait ends, as `Retry-After` says; an
         estimate of the global remaining would tell the client to come back
         at once. `refusal` may also be the admission `admit` has just given
-        these scopes (no configure since): the headers are the same.
+        these scopes (no configure since): its headers, which `admit` made
+        of the state it left (the same as made here then; the admission's
+        own list, not to be changed).
         """
-        found: Sequence[_Scope]
         if refusal is not None and refusal.ok:
-            # Its scopes are those of `scopes` that have limits, in their
-            # order (none: UNLIMITED's): found again without a lookup each.
-            found = refusal._scopes
-        else:
-            get = self._scopes.get
-            found = [st for name in scopes if (st := get(name)) is not None]
-        req: TokenBucket | None = None
-        tok: TokenBucket | None = None
+            # Those `admit` made of the same state (UNLIMITED's: none).
+            return refusal._headers if refusal._scopes else []
+        get = self._scopes.get
         req_st = tok_st = None
         req_left = tok_left = INF
-        for st in found:
+        for name in scopes:
+            st = get(name)
+            if st is None:
+                continue
             f = st.fraction
             b = st.req
-            # The admission just before refilled them to `now`: no call then.
             if b is not None:
                 left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0.0 else 0.0
                 if left < req_left:
-                    req_left, req, req_st = left, b, st
+                    req_left, req_st = left, st
             b = st.tok
             if b is not None:
                 left = (b.level if now <= b.stamp else b.refill(now)) / f if f > 0.0 else 0.0
                 if left < tok_left:
-                    tok_left, tok, tok_st = left, b, st
-        # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
-        # (refilled to `now` above) is full; with no share yet (rate 0) the
-        # share comes with the next rebalance.
-        out: list[tuple[str, str]]
-        # Both are made again only when the level they were made of changed
-        # (_Shown: the rest changes only where they are forgotten): a bucket
-        # far from its limit is full again at each request and shows the same
-        # two (some 4,000 instructions a dimension then).
-        if req is not None and req_st is not None:
-            m = req_st.req_shown
-            if m is None or m[0] != req.level:
-                limit = req_st.limits.rpm
-                shown = (
-                    "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
-                )
-                reset = format_duration(_reset(req, limit, self._unknown_retry_s))
-                m = req_st.req_shown = (req.level, (_REMAINING_REQ, shown), (_RESET_REQ, reset))
-            out = [req_st.req_limit, m[1], m[2]]
-        else:
-            out = []
-        if tok is not None and tok_st is not None:
-            m = tok_st.tok_shown
-            if m is None or m[0] != tok.level:
-                limit = tok_st.limits.tpm
-                shown = (
-                    "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
-                )
-                reset = format_duration(_reset(tok, limit, self._unknown_retry_s))
-                m = tok_st.tok_shown = (tok.level, (_REMAINING_TOK, shown), (_RESET_TOK, reset))
-            out += (tok_st.tok_limit, m[1], m[2])
-        if refusal is not None and not refusal.ok and refusal.refused_by is not None:
+                    tok_left, tok_st = left, st
+        out = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
+        if refusal is not None and refusal.refused_by is not None:
             return _refused_headers(out, refusal, refusal.refused_by)
         return out
+
+
+def _shown(
+    req_st: _Scope | None, req_left: float, tok_st: _Scope | None, tok_left: float, unknown: float
+) -> list[tuple[str, str]]:
+    """The headers of the scope shown for each dimension (`headers`'s choice:
+    the least estimated global remaining, `req_left` and `tok_left`, of
+    buckets refilled to the headers' time; None: no scope limits it).
+    `unknown`: the reset with no share yet."""
+    # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
+    # (refilled to `now` above) is full; with no share yet (rate 0) the
+    # share comes with the next rebalance.
+    out: list[tuple[str, str]]
+    # Both are made again only when the level they were made of changed
+    # (_Shown: the rest changes only where they are forgotten): a bucket
+    # far from its limit is full again at each request and shows the same
+    # two (some 4,000 instructions a dimension then).
+    if req_st is not None and (req := req_st.req) is not None:
+        m = req_st.req_shown
+        if m is None or m[0] != req.level:
+            limit = req_st.limits.rpm
+            shown = "0" if req_left <= 0.0 else str(limit if req_left >= limit else int(req_left))
+            reset = format_duration(_reset(req, limit, unknown))
+            m = req_st.req_shown = (req.level, (_REMAINING_REQ, shown), (_RESET_REQ, reset))
+        out = [req_st.req_limit, m[1], m[2]]
+    else:
+        out = []
+    if tok_st is not None and (tok := tok_st.tok) is not None:
+        m = tok_st.tok_shown
+        if m is None or m[0] != tok.level:
+            limit = tok_st.limits.tpm
+            shown = "0" if tok_left <= 0.0 else str(limit if tok_left >= limit else int(tok_left))
+            reset = format_duration(_reset(tok, limit, unknown))
+            m = tok_st.tok_shown = (tok.level, (_REMAINING_TOK, shown), (_RESET_TOK, reset))
+        out += (tok_st.tok_limit, m[1], m[2])
+    return out
 
 
 def _reset(bucket: TokenBucket, limit: int, unknown: float) -> float:

@@ -777,3 +777,56 @@ def test_headers_kept_are_the_headers_remade(steps: list[tuple[Any, ...]]) -> No
         for scope in remade._scopes.values():
             scope.req_shown = scope.tok_shown = None
         assert kept == remade.headers([T, K], now)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(steps=_STEPS, also=st.sampled_from([[], ["t/none"], [K, "k/none"]]))
+def test_an_admissions_headers_are_those_made_of_the_state_it_left(
+    steps: list[tuple[Any, ...]], also: list[str]
+) -> None:
+    """Differential: the headers `admit` makes as it charges its scopes (what
+    headers() gives for the admission) are those headers() makes of the
+    limiter's state just after, with nothing kept; whatever tables, shares,
+    admissions and time came before, and with scopes that have no limits
+    among those asked for."""
+    rl = limiter({T: ScopeLimits(rpm=60, tpm=10_000), K: ScopeLimits(rpm=60)}, {})
+    rl.apply_shares({T: Share(1.0), K: Share(1.0)}, 0.0)
+    scopes = [T, *also]
+    now = 0.0
+    for step in steps:
+        if step[0] == "configure":
+            rl.configure(step[1], now)
+        elif step[0] == "share":
+            rl.apply_shares({step[1]: Share(step[2])}, now)
+        elif step[0] == "admit":
+            admission = rl.admit(scopes, step[1], now)
+            made = copy.deepcopy(rl)
+            for scope in made._scopes.values():
+                scope.req_shown = scope.tok_shown = None
+            shown = rl.headers(scopes, now, admission)
+            assert shown == made.headers(scopes, now, None if admission.ok else admission)
+            if admission.ok and step[1] % 2:
+                admission.release(step[1], now)
+        else:
+            now += step[1]
+
+
+def test_of_scopes_left_the_same_the_first_asked_for_is_shown() -> None:
+    """Requests: the tenant's 59 of a half share of 120 and the key's 118 of
+    119 are the same 118 left; the tenant, first, is shown, by the admission
+    as by the headers made of the state."""
+    rl = limiter({T: ScopeLimits(rpm=120), K: ScopeLimits(rpm=119)}, {})
+    rl.apply_shares({T: Share(0.5), K: Share(1.0)}, 0.0)
+    for scope in (T, K):
+        bucket = rl._scopes[scope].req
+        assert bucket is not None
+        bucket.level = bucket.capacity  # full
+    admission = rl.admit([T, K], 1, 1.0)
+    assert admission.ok
+    expected = {
+        "x-ratelimit-limit-requests": "120",
+        "x-ratelimit-remaining-requests": "118",
+        "x-ratelimit-reset-requests": "1s",
+    }
+    assert dict(rl.headers([T, K], 1.0, admission)) == expected
+    assert dict(rl.headers([T, K], 1.0)) == expected
