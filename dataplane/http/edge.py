@@ -620,10 +620,10 @@ class EdgeProtocol(web_protocol.RequestHandler):
 
                     payload.set_exception(web_protocol._PAYLOAD_ACCESS_ERROR)
 
-                except asyncio.CancelledError:
+                except asyncio.CancelledError as exc:
                     self.log_debug("Ignored premature client disconnection")
                     self.force_close()
-                    raise
+                    raise _bare(exc) from None
                 except Exception as exc:
                     self.log_exception("Unhandled exception", exc_info=exc)
                     self.force_close()
@@ -656,7 +656,11 @@ class EdgeProtocol(web_protocol.RequestHandler):
             # the garbage collector frees, and with it the last request and
             # its body (trial 89: 10 MB more RSS for every 5 MB request whose
             # client then closed its connection, until a full collection).
+            # Nor does the frame hold the request it was cancelled in: the
+            # handler's objects that hold the task (a stream's IdleTimeout, an
+            # origin call's watch) can keep it, and so the frame, until then.
             del task
+            request = message = payload = resp = None  # type: ignore[assignment]
 
         # remove handler, close transport if no handlers left
         if not self._force_close:
@@ -1069,6 +1073,18 @@ async def _drained(writer: AbstractStreamWriter) -> bool:
     except ConnectionError:
         return False
     return True
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """`exc` without its traceback and the exceptions it came from, to end a
+    connection's task with: the task keeps the exception it ended with, and
+    a traceback holds every frame it went through, each with its locals (the
+    request, its body). A frame holding the task as well (a timeout, a watch
+    on an origin call, a flight's leader) made a cycle only a full garbage
+    collection freed, and a client leaving mid-answer kept its request's
+    body until then (two 5 MB bodies a stream stopped by its client)."""
+    exc.__cause__ = exc.__context__ = None
+    return exc.with_traceback(None)
 
 
 def _lines_of(resp: web.StreamResponse) -> bytes | None:

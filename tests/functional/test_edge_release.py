@@ -1,6 +1,7 @@
 """A connection's requests are freed by reference counting when it ends
-(dataplane.http.edge.EdgeProtocol.start): a real EdgeRunner on loopback, with
-handler_cancellation as the proxy runs, and the garbage collector off.
+(dataplane.http.edge.EdgeProtocol.start): a real EdgeRunner on loopback, and
+the garbage collector off; handler_cancellation as the proxy runs where a
+client leaves mid-answer.
 
 A client that closes its connection cancels the connection's task; the task
 ends with its frame in the cancellation's traceback. Had the frame held the
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
+from dataplane.http.edge import EdgeLimits, EdgeRunner
 from tests.functional.edgestack import listen
 
 WAIT = 10.0
@@ -113,5 +115,65 @@ async def test_an_answered_request_is_freed_while_its_connection_waits_for_the_n
         assert len(seen) == 1 and seen[0]() is None
         writer.close()
         await writer.wait_closed()
+    finally:
+        await runner.cleanup()
+
+
+class _Holder:
+    """What a handler's timeout or watch is to the task it bounds: an object
+    holding that task, and kept by a cycle of its own (as IdleTimeout is, by
+    the bound method it keeps to arm its timer with)."""
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.me = self
+
+
+async def test_a_request_is_freed_when_its_client_leaves_mid_answer(
+    no_collector: None,
+) -> None:
+    """The connection's task ends with the cancellation it was stopped by;
+    neither that exception's traceback nor the task's frame holds the request,
+    though the handler's objects keep the task until a collection."""
+    seen: list[weakref.ref[web.BaseRequest]] = []
+    reading = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(weakref.ref(request))
+        holder = _Holder()
+        reading.set()
+        await asyncio.Event().wait()  # an answer that never comes
+        return web.Response(text=str(holder))
+
+    app = web.Application()
+    app.router.add_post("/v1/endless", endless)
+    runner = EdgeRunner(app, EdgeLimits(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b"x" * 100_000
+        writer.write(
+            b"POST /v1/endless HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        await asyncio.wait_for(reading.wait(), WAIT)
+        server = runner.server
+        assert server is not None
+        [conn] = server.connections
+        task = conn._task_handler
+        assert task is not None
+        done = asyncio.Event()
+        task.add_done_callback(lambda _: done.set())
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.wait_for(done.wait(), WAIT)
+        assert task.cancelled()
+        del task, conn
+        assert len(seen) == 1 and seen[0]() is None
     finally:
         await runner.cleanup()
