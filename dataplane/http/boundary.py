@@ -137,6 +137,13 @@ def error_boundary(
                     if told is not None:
                         status, error = told.status, told.code or error
                 _record_or_log(access, m, request, request_id, endpoint, ex, status, error, started)
+                if ex is not None and not ex.detached:
+                    # A stream whose end was never written holds its request
+                    # (aiohttp lets go of it at write_eof), which holds this
+                    # exchange: a cycle only a full collection frees, and the
+                    # request's body with it. A detached flight's task still
+                    # writes to it.
+                    ex.answer = ex.held = None
                 raise
             except Exception as exc:
                 ex = state.get(EXCHANGE)

@@ -14,8 +14,10 @@ is sent nothing.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,6 +254,46 @@ async def test_a_client_that_left_is_sent_nothing(
     # (The control plane here, 127.0.0.1:9, never answers: its link's warning.)
     problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in problems if not r.name.startswith("dataplane.sync")] == []
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_a_request_whose_client_left_mid_answer_is_freed_without_a_collection(
+    proxy: Stopping, stream: bool
+) -> None:
+    """With the garbage collector off, a request whose client closed its
+    connection mid-answer (a stream after its head, a whole answer before
+    it) is freed once its connection's task ends: its body (megabytes for
+    a document) is not held until a full collection. Uncached (no flight,
+    whose task may go on for followers)."""
+    gc.collect()
+    gc.disable()
+    try:
+        port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        raw = json.dumps(chat("x " * 50_000, stream=stream, temperature=1)).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        await writer.drain()
+        await asyncio.wait_for(proxy.first_sent.wait(), WAIT)
+        if stream:
+            await asyncio.wait_for(reader.readuntil(b"par"), WAIT)
+        server = proxy.runner.server
+        assert server is not None
+        [conn] = server.connections
+        request, task = conn._current_request, conn._task_handler
+        assert request is not None and task is not None
+        freed = weakref.ref(request)
+        ended = asyncio.Event()
+        task.add_done_callback(lambda _: ended.set())
+        del request, task, conn
+        writer.close()  # the client leaves
+        await asyncio.wait_for(ended.wait(), WAIT)
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
