@@ -268,7 +268,10 @@ class Leader:
         flight.done = True
         flight.entry = entry if error is None else None
         flight.error = error
-        flight.on_deserted = None
+        # Nobody joins a flight that ended: its leader's callbacks (its
+        # LeaderStream's, which holds the leader, a cycle, and its client's
+        # answer and so its request) are let go of.
+        flight.on_deserted = flight.on_joined = None
         self._coalescer._release(flight)
         flight.wake()
 

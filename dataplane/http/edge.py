@@ -623,7 +623,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
                 except asyncio.CancelledError as exc:
                     self.log_debug("Ignored premature client disconnection")
                     self.force_close()
-                    raise _bare(exc) from None
+                    raise bare(exc) from None
                 except Exception as exc:
                     self.log_exception("Unhandled exception", exc_info=exc)
                     self.force_close()
@@ -1075,9 +1075,9 @@ async def _drained(writer: AbstractStreamWriter) -> bool:
     return True
 
 
-def _bare(exc: BaseException) -> BaseException:
+def bare(exc: BaseException) -> BaseException:
     """`exc` without its traceback and the exceptions it came from, to end a
-    connection's task with: the task keeps the exception it ended with, and
+    task with (a connection's, a flight's): the task keeps the exception it ended with, and
     a traceback holds every frame it went through, each with its locals (the
     request, its body). A frame holding the task as well (a timeout, a watch
     on an origin call, a flight's leader) made a cycle only a full garbage

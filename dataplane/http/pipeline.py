@@ -44,7 +44,7 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.boundary import CLIENT_GONE, gone_reason, hand_over, send_whole
-from dataplane.http.edge import EdgeProtocol, WholeAnswer
+from dataplane.http.edge import EdgeProtocol, WholeAnswer, bare
 from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
@@ -1163,12 +1163,19 @@ class Pipeline:
                 return await self.relay(request, ex, origin, plan, lead)
             finally:
                 origin.release()
+        except asyncio.CancelledError as exc:
+            plan.abandon(exc)
+            # The relay's frames hold this task (its IdleTimeout, `lead`'s
+            # stop) and the request: kept by the cancellation, a cycle only a
+            # full collection frees, with the request's body (edge.bare).
+            raise bare(exc) from None
         except BaseException as exc:
             plan.abandon(exc)
             raise
         finally:
             if ex.detached:
                 self._settle(ex)
+            del request, ex, origin, plan, lead  # nor this frame, which the exception holds
 
     def _detach(
         self,

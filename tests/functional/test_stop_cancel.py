@@ -256,21 +256,22 @@ async def test_a_client_that_left_is_sent_nothing(
     assert [r.getMessage() for r in problems if not r.name.startswith("dataplane.sync")] == []
 
 
+@pytest.mark.parametrize("temperature", [0, 1], ids=["a-flights-leader", "uncached"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 async def test_a_request_whose_client_left_mid_answer_is_freed_without_a_collection(
-    proxy: Stopping, stream: bool
+    proxy: Stopping, stream: bool, temperature: int
 ) -> None:
     """With the garbage collector off, a request whose client closed its
     connection mid-answer (a stream after its head, a whole answer before
     it) is freed once its connection's task ends: its body (megabytes for
-    a document) is not held until a full collection. Uncached (no flight,
-    whose task may go on for followers)."""
+    a document) is not held until a full collection. A flight's leader with
+    no follower: its flight ends with it."""
     gc.collect()
     gc.disable()
     try:
         port = int(proxy.url.rsplit(":", 1)[1].split("/")[0])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        raw = json.dumps(chat("x " * 50_000, stream=stream, temperature=1)).encode()
+        raw = json.dumps(chat("x " * 50_000, stream=stream, temperature=temperature)).encode()
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Authorization: Bearer {KEY.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
