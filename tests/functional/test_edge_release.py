@@ -73,8 +73,12 @@ async def test_a_request_is_freed_when_its_client_closes_the_connection(
         await writer.wait_closed()
         await asyncio.wait_for(done.wait(), WAIT)
         assert task.cancelled()
+        # The request is let go of before the wait (the next test); the task
+        # and its frame, with the connection's writer, are freed as well.
+        ended = weakref.ref(task)
         del task, conn
         assert len(seen) == 1 and seen[0]() is None
+        assert ended() is None
     finally:
         await runner.cleanup()
 
