@@ -77,6 +77,7 @@ __all__ = [
     "EventSink",
     "Next",
     "OwnEnd",
+    "ReadSink",
     "Readable",
     "RelayEnd",
     "Resume",
@@ -92,7 +93,19 @@ __all__ = [
 
 
 class EventSink(Protocol):
+    """A reader of a relayed stream's events, given each in order, as the
+    origin sent it (a continuation's as rewritten). One that has a `read`
+    method too (ReadSink) is given, instead, a read's events in one call
+    whenever all of them reach the client."""
+
     def event(self, ev: Event) -> None: ...
+
+
+class ReadSink(EventSink, Protocol):
+    def read(self, events: list[Event]) -> None:
+        """`event` of each of `events`, in order: one call a read, not one an
+        event (dataplane.streaming.splice.Transcript)."""
+        ...
 
 
 class ChunkSink(Protocol):
@@ -367,13 +380,17 @@ async def _relay_bytes(
     answered = False  # the client is being written the answer's last event
     # What `trim` changes of the events not written yet: (data, shown).
     trimmed: list[tuple[bytes, bytes | None]] = []
+    by_read, by_event = _by_read(readers)
     try:
         while True:
             events = parser.feed(chunk)
             if events and idle is not None:
                 idle.progress()  # see _relay_events
+            if events:  # every event parsed reaches the client (or ends it: `last`)
+                for read in by_read:
+                    read(events)
             for ev in events:
-                for reader in readers:
+                for reader in by_event:
                     reader.event(ev)
                 before, last = last, ev
                 if trim is not None and (shown := trim(ev.data)) is not ev.data:
@@ -526,6 +543,7 @@ async def _relay_events(
     chunk = first
     eof = False  # the stream's end is being written: nothing more may be
     quiet_until = float("-inf")  # no keep-alive is written before (`clock`)
+    by_read, by_event = _by_read(readers)
     try:
         while True:
             cut = ""
@@ -540,6 +558,12 @@ async def _relay_events(
             # every event of being an error (nearly every read), where each
             # was searched on its own.
             errors = not verbatim or chunk.find(b"error") >= 0
+            # Such a read, free of errors, reaches the client whole: its
+            # readers that take a read at once are given it so.
+            each = by_event if not errors else readers
+            if not errors:
+                for read in by_read:
+                    read(events)
             if events and idle is not None:
                 # The idle timeout counts from the last event, not from the
                 # last byte: an origin's comments (which the client is sent a
@@ -571,7 +595,7 @@ async def _relay_events(
                         if verbatim:
                             frames = _before(chunk, events, ev)
                         break
-                for reader in readers:
+                for reader in each:
                     reader.event(ev)
                 last = ev
                 # A name first: nearly every event has none (a set lookup each).
@@ -694,6 +718,21 @@ async def write_stopped(out: Writable, ending: bytes) -> None:
             if ending:
                 await out.write(ending)
             await out.write_eof()
+
+
+def _by_read(
+    readers: Sequence[EventSink],
+) -> tuple[list[Callable[[list[Event]], None]], list[EventSink]]:
+    """`readers`' `read` methods (ReadSink's), and the readers that have none."""
+    by_read: list[Callable[[list[Event]], None]] = []
+    by_event: list[EventSink] = []
+    for reader in readers:
+        read = getattr(reader, "read", None)
+        if read is None:
+            by_event.append(reader)
+        else:
+            by_read.append(read)
+    return by_read, by_event
 
 
 def _client_left(end: RelayEnd) -> None:

@@ -118,6 +118,28 @@ class Transcript:
         else:
             self.events.append(ev.data)
 
+    def read(self, events: list[Event]) -> None:
+        """`event` of each of `events` in order (the relay gives a read's
+        events so when every one of them reaches the client): their data
+        added at once, one call a read, not one an event; a read that would
+        pass a bound goes event by event, so that the bound named is the
+        one `event` would name."""
+        if self.overflow:
+            return
+        datas = [ev.data for ev in events if not ev.done]
+        size = sum(map(len, datas))
+        budget = self._budget
+        if self._size + size > MAX_TRANSCRIPT_BYTES or (
+            budget is not None and budget.held + size > budget.limit
+        ):
+            for ev in events:
+                self.event(ev)
+            return
+        self._size += size
+        if budget is not None:
+            budget.held += size
+        self.events += datas
+
     def _stop(self, bound: str) -> None:
         self.overflow = bound
         self.events = []

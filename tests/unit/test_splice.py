@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dataplane.http.resume import budget_spent
 from dataplane.streaming.splice import (
@@ -292,6 +295,41 @@ def test_a_transcript_past_its_own_bound_gives_its_bytes_back() -> None:
         t.event(Event(big))
     assert t.overflow == STREAM_BOUND and budget.held == 0
     assert budget.dropped == {STREAM_BOUND: 1, PROXY_BOUND: 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    reads=st.lists(
+        st.lists(
+            st.sampled_from([b"", b"a", b"x" * 40, b"[DONE]", b" [DONE]", b"y" * 90]).map(Event),
+            max_size=6,
+        ),
+        max_size=6,
+    ),
+    held=st.integers(0, 200),
+    limit=st.integers(0, 400),
+    own=st.integers(0, 300),
+)
+def test_a_transcript_given_whole_reads_keeps_what_it_keeps_given_each_event(
+    reads: list[list[Event]], held: int, limit: int, own: int
+) -> None:
+    # Transcript.read takes a read's events at once (the relay's cut): what it
+    # keeps, holds of the budget and which bound stops it, event by event's.
+    with mock.patch("dataplane.streaming.splice.MAX_TRANSCRIPT_BYTES", own):
+        _read_and_each(reads, held, limit)
+
+
+def _read_and_each(reads: list[list[Event]], held: int, limit: int) -> None:
+    budgets = [TranscriptBudget(limit=limit) for _ in range(2)]
+    by_read, by_event = Transcript(budgets[0]), Transcript(budgets[1])
+    for budget in budgets:
+        budget.held = held
+    for events in reads:
+        by_read.read(events)
+        for ev in events:
+            by_event.event(ev)
+        assert (by_read.events, by_read.overflow) == (by_event.events, by_event.overflow)
+        assert (budgets[0].held, budgets[0].dropped) == (budgets[1].held, budgets[1].dropped)
 
 
 @pytest.mark.parametrize(

@@ -1116,3 +1116,45 @@ async def test_a_continuations_event_is_trimmed_as_it_was_rewritten() -> None:
         b'{"id":"o1","b":2,"usage":null}',
         b"[DONE]",
     ]
+
+
+class ByRead(Reader):
+    """A ReadSink: takes a read's events at once where the relay gives them so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def read(self, events: list[Event]) -> None:
+        self.reads += 1
+        self.events += events
+
+
+@pytest.mark.parametrize("continuable", [False, True])
+@pytest.mark.parametrize(
+    ("chunks", "whole"),
+    [
+        ((b'data: {"a":1}\n\ndata: {"b":2}\n\n', b"data: [DONE]\n\n"), True),
+        # An in-band error inside a read of whole one-line events: with
+        # `resume`, the events before it are the last the client gets.
+        ((b'data: {"a":1}\n\ndata: {"error":{"message":"x"}}\n\ndata: {"b":2}\n\n',), False),
+        # A read that names an error goes event by event, the next at once.
+        ((b'data: {"a":"no error"}\n\n', b"data: {}\n\ndata: [DONE]\n\n"), True),
+        (STREAM, False),
+    ],
+)
+async def test_a_reader_of_whole_reads_gets_the_events_a_reader_of_each_gets(
+    continuable: bool, chunks: tuple[bytes, ...], whole: bool
+) -> None:
+    each, by_read = Reader(), ByRead()
+    await relay(
+        chunks[0],
+        Content(*chunks[1:]),
+        cast(web.StreamResponse, Out()),
+        readers=[each, by_read],
+        resume=no_resume if continuable else None,
+    )
+    assert by_read.events == each.events
+    # Every read of the byte relay; the events relay's of whole one-line
+    # events, none of which may be an error (`whole`: one at least).
+    assert bool(by_read.reads) == (whole or not continuable)
