@@ -406,8 +406,10 @@ class UsageCounter:
             # error, no finish; its bytes count, as any event's.
             self._keyless = data
             return
-        # find, not `in`, for every event: see dataplane.streaming.sse.
-        if data.find(b'"usage"') < 0:
+        # Not `in` (see dataplane.streaming.sse), nor find, which parses a
+        # tuple of its arguments: partition takes one, and gives back `data`
+        # and two empty bytes when it is not found, as it nearly never is.
+        if not data.partition(b'"usage"')[1]:
             self._keyless = data
         else:
             self._keyless = None
