@@ -30,7 +30,10 @@ class WindowMeter(Generic[Sample, Result]):
     sample, never negative nor an average over the gap. A key's first sample
     is where its rates start: unknown until the next, unless the caller knows
     when its counters were all 0 (`start`: a new proxy's registration) within
-    the window before it. Callers key
+    the window before it. A sample may be a guess (`guessed`: counters the
+    caller takes to have still held at a time it did not hear them, such as
+    a quiet proxy's): a sample heard at or before a guess's time supersedes
+    it, where a guess would have had it ignored as not newer. Callers key
     by one connection of a proxy (name and session), so a restarted proxy
     starts afresh even once its new counters pass the old ones. Used from one
     event loop.
@@ -41,16 +44,35 @@ class WindowMeter(Generic[Sample, Result]):
             raise ValueError("window must be positive")
         self._window = window
         self._samples: dict[str, deque[tuple[float, Sample]]] = {}
+        # Key -> the time of its newest sample that was heard, not guessed:
+        # the samples after it are guesses.
+        self._heard: dict[str, float] = {}
 
     def observe(
-        self, key: str, at: float, counts: Sample, start: float | None = None
+        self,
+        key: str,
+        at: float,
+        counts: Sample,
+        start: float | None = None,
+        *,
+        guessed: bool = False,
     ) -> Result | None:
         """Add a sample (ignored if not newer than the last) and return the
         rates per second over the window, or None while they are unknown.
         `start`: when the key's counters were all 0, which a first sample
         within the window after it is measured from (trial 22: a proxy's
-        first report held a whole burst, which its rates never showed)."""
+        first report held a whole burst, which its rates never showed).
+        `guessed`: the counters were not heard at `at` but taken to hold
+        then; a sample heard (not guessed) at `at`, newer than the last one
+        heard, first drops the guesses at or after it, as what was heard
+        then says what held, so a report written later than its caller
+        guessed is measured from the samples before it rather than ignored:
+        from the one kept at the window's start as of the last guess, not
+        the guess just before it (no spike)."""
         samples = self._samples.setdefault(key, deque())
+        if not guessed and at > self._heard.get(key, float("-inf")):
+            while samples and samples[-1][0] >= at:  # guesses: after the last heard
+                samples.pop()
         if not samples and start is not None and 0 < at - start <= self._window:
             samples.append((start, self._zero(counts)))
         if samples:
@@ -60,6 +82,8 @@ class WindowMeter(Generic[Sample, Result]):
             elif at <= last_at:
                 return self._rates(samples)
         samples.append((at, counts))
+        if not guessed:
+            self._heard[key] = at
         # Keep one sample at or before the window's start, so the window is
         # covered whole once it has been observed that long.
         while len(samples) > 2 and samples[1][0] <= at - self._window:
@@ -86,6 +110,7 @@ class WindowMeter(Generic[Sample, Result]):
         """Forget every key not in `keys` (proxies that left)."""
         for key in self._samples.keys() - keys:
             del self._samples[key]
+            self._heard.pop(key, None)
 
 
 def _fell(before: Counts, now: Counts) -> bool:

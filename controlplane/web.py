@@ -642,8 +642,12 @@ class StatusWeb:
             # Its replica writes a change within traffic_every of hearing it,
             # so these counts still held twice that ago (a margin for a late
             # write): the sample a burst after a quiet spell is measured from,
-            # as the burst may come in a single write.
-            meter.observe(key, now - 2 * self._traffic_every, counts)
+            # as the burst may come in a single write. A guess: a write later
+            # than the margin still counts, its report superseding the guesses
+            # made after it was heard (WindowMeter), and measured over 2 *
+            # traffic_every at least (the window's start as of the last guess,
+            # made at most traffic_every after it was heard, if it is fresh).
+            meter.observe(key, now - 2 * self._traffic_every, counts, guessed=True)
             return quiet
         return meter.observe(key, p.heard_at, counts, start=_counting_from(p))
 

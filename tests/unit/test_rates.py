@@ -103,3 +103,44 @@ def test_a_first_sample_soon_after_its_start_is_measured_from_zero() -> None:
     assert meter.observe("r", 100.0, (8, 2, 0), start=100.0) is None
     named = NamedRateMeter(window=10.0)
     assert named.observe("p", 102.0, {"eu": (4, 0)}, start=100.0) == {"eu": (2.0, 0.0)}
+
+
+def test_a_sample_heard_at_or_before_a_guess_supersedes_it() -> None:
+    """A quiet proxy's counts guessed still held each second up to t=9; its
+    burst, heard at 8, was written later than that. It counts, over the
+    window before it: not ignored, and not over the second since a guess."""
+    meter = RateMeter(window=6.0)
+    meter.observe("p", 0.0, (0,))
+    for second in range(1, 10):
+        assert meter.observe("p", float(second), (0,), guessed=True) == (0.0,)
+    # 60 since t=3, the window's start when the last guess was made.
+    assert meter.observe("p", 8.0, (60,)) == (12.0,)
+    # The same report read again changes nothing, nor does a guess of it.
+    assert meter.observe("p", 8.0, (60,)) == (12.0,)
+    assert meter.observe("p", 8.0, (60,), guessed=True) == (12.0,)
+    # Guessed to hold from then on: the window slides off the burst.
+    assert meter.observe("p", 14.0, (60,), guessed=True) == (0.0,)
+    named = NamedRateMeter(window=6.0)
+    named.observe("p", 0.0, {})
+    for second in range(1, 10):
+        named.observe("p", float(second), {}, guessed=True)
+    assert named.observe("p", 8.0, {"acme": (12, 0)}) == {"acme": (2.4, 0.0)}
+
+
+def test_a_heard_sample_is_not_superseded_by_a_later_one_heard_earlier() -> None:
+    # Only guesses give way: a report older than one heard is ignored as before.
+    meter = RateMeter(window=6.0)
+    meter.observe("p", 0.0, (0,))
+    meter.observe("p", 2.0, (20,))
+    assert meter.observe("p", 3.0, (20,), guessed=True) == (20 / 3,)
+    assert meter.observe("p", 1.5, (90,)) == (20 / 3,)  # older than t=2's report
+    assert meter.observe("p", 2.0, (90,)) == (20 / 3,)
+
+
+def test_a_late_report_after_guesses_longer_than_the_window_starts_afresh() -> None:
+    # The guesses it supersedes leave a gap longer than the window: unknown.
+    meter = RateMeter(window=6.0)
+    meter.observe("p", 0.0, (0,))
+    meter.observe("p", 10.0, (0,), guessed=True)  # nothing sampled in between
+    assert meter.observe("p", 9.0, (60,)) is None
+    assert meter.observe("p", 11.0, (80,)) == (10.0,)

@@ -29,6 +29,7 @@ from controlplane.errors import Unavailable
 from controlplane.fleetid import FleetWatch
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
+from controlplane.registry import TRAFFIC_EVERY
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
 from controlplane.store.memory import MemoryStore
@@ -1061,19 +1062,26 @@ async def test_a_burst_after_a_quiet_spell_shows_a_rate(plane: Plane) -> None:
     assert rate is not None and rate > 0
 
 
-async def unviewed(plane: Plane, reports: dict[float, Limited], until: float) -> StatusWeb:
+async def unviewed(
+    plane: Plane,
+    reports: dict[float, Limited],
+    until: float,
+    *,
+    written_after: float = 0.0,
+    traffic_every: float = TRAFFIC_EVERY,
+) -> StatusWeb:
     """A StatusWeb whose sampler (sample_forever) ran from the clock's time
     to `until`, nobody viewing the page, while p-eu's replica wrote `reports`
-    (heard at -> p-eu's tenant counts) as they fell due. Time passes in the
-    sampler's sleeps: nothing sleeps."""
-    assert max(reports) <= until
-    due = sorted(reports.items())
+    (heard at -> p-eu's tenant counts) `written_after` seconds after hearing
+    them. Time passes in the sampler's sleeps: nothing sleeps."""
+    assert max(reports) + written_after <= until
+    due = sorted((at + written_after, (at, limited)) for at, limited in reports.items())
     stopped = asyncio.Event()
 
     async def written_until(now: float) -> None:
         plane.clock.now = now
         while due and due[0][0] <= now:
-            at, limited = due.pop(0)
+            _, (at, limited) = due.pop(0)
             await plane.catalog.put_traffic(
                 "r1", {"p-eu": (0, 0, 0, at, {}, limited, {})}, plane.lease
             )
@@ -1084,7 +1092,7 @@ async def unviewed(plane: Plane, reports: dict[float, Limited], until: float) ->
             await asyncio.Event().wait()  # until cancelled
         await written_until(plane.clock.now + seconds)
 
-    web = web_of(plane, sleep=sleep)
+    web = web_of(plane, sleep=sleep, traffic_every=traffic_every)
     sampler = asyncio.create_task(web.sample_forever())
     await stopped.wait()
     sampler.cancel()
@@ -1111,6 +1119,25 @@ async def test_a_burst_nobody_viewed_shows_when_the_page_is_opened_after_it(
     # A replica that had not sampled them (just started) cannot tell when they
     # came: it says the rate is unknown, not that nobody was refused.
     assert limits_of(await web_of(plane).status(1_041.0)) == {"acme": (None, 0.0)}
+
+
+@pytest.mark.parametrize(
+    ("written_after", "seconds"), [(0.0, 6), (2.0, 6), (4.5, 6), (5.0, 6), (6.0, 5)]
+)
+async def test_a_burst_written_late_after_a_quiet_spell_still_shows(
+    plane: Plane, written_after: float, seconds: int
+) -> None:
+    """Reports written every 2 s (a 6 s window); a quiet proxy's 20 refusals
+    heard at 1_031 but written up to 6 s later (a loaded replica, a slow
+    etcd), the page opened then. Meanwhile each sample took the quiet counts
+    as still held 4 s before it, up to 1_032: the burst, heard at 1_031, is
+    counted all the same, over the window before it as of the last of those
+    (from 1_025, or 1_026 when the last was 1_032)."""
+    await plane.catalog.put_traffic("r1", {"p-eu": (0, 0, 0, 1_000.0, {}, {}, {})}, plane.lease)
+    burst: dict[float, Limited] = {1_031.0: {"acme": (20, 0)}}
+    opened = 1_031.0 + written_after
+    web = await unviewed(plane, burst, opened, written_after=written_after, traffic_every=2.0)
+    assert limits_of(await web.status(opened)) == {"acme": (20 / seconds, 0.0)}
 
 
 async def test_a_page_opened_at_the_end_of_a_burst_counts_all_of_it(plane: Plane) -> None:
