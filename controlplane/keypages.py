@@ -14,6 +14,7 @@ import base64
 import binascii
 import bisect
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,10 +71,14 @@ def _token(last: ApiKeyRecord, tenant: str, include_revoked: bool) -> str:
 def _after(token: str, tenant: str, include_revoked: bool) -> tuple[str, float, str]:
     try:
         fields = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
-    except (UnicodeEncodeError, binascii.Error, ValueError):
+    except (UnicodeEncodeError, binascii.Error, ValueError, RecursionError):
+        # RecursionError: lists nested past the interpreter's depth, which
+        # only a forged token has (it was INTERNAL, with a traceback logged).
         fields = None
     match fields:
-        case [1, str(of_tenant), bool(of_revoked), str(t), int() | float() as at, str(key_id)]:
+        case [1, str(of_tenant), bool(of_revoked), str(t), int() | float() as at, str(key_id)] if (
+            _finite(at)
+        ):
             pass
         case _:
             raise InvalidArgument(
@@ -87,3 +92,13 @@ def _after(token: str, tenant: str, include_revoked: bool) -> tuple[str, float, 
             field="page_token",
         )
     return (t, float(at), key_id)
+
+
+def _finite(at: float) -> bool:
+    """Whether a token's creation time is one a key has: an integer past a
+    float's range (OverflowError when compared) and NaN or Infinity (which
+    json reads) come from forged tokens only."""
+    try:
+        return math.isfinite(at)
+    except OverflowError:
+        return False

@@ -111,6 +111,13 @@ def forged(*fields: object) -> str:
         forged(1, "", False, "acme", "1.0", "a000000000"),
         forged(1, "", False, "acme", 1.0),
         forged({"after": "a000000000"}),
+        # Forged tokens that were INTERNAL, with a traceback logged: a time
+        # past a float's range, lists nested past the interpreter's depth;
+        # and times no key has, which json reads.
+        forged(1, "", False, "acme", 10**400, "a000000000"),
+        base64.urlsafe_b64encode(b"[" * 100_000 + b"]" * 100_000).decode(),
+        base64.urlsafe_b64encode(b'[1, "", false, "acme", NaN, "a000000000"]').decode(),
+        base64.urlsafe_b64encode(b'[1, "", false, "acme", -Infinity, "a000000000"]').decode(),
     ],
 )
 def test_a_token_it_did_not_make_is_refused(token: str) -> None:
