@@ -17,10 +17,11 @@ import pytest
 
 from controlplane import cli
 from controlplane.budget import LEDGER_PREFIX, Ledger
+from controlplane.catalog import KEYS as KEY_RECORDS
 from controlplane.catalog import Catalog
 from controlplane.errors import InvalidArgument
 from controlplane.keypages import MAX_PAGE, listing_order, page_of
-from controlplane.model import ApiKeyRecord, Limits, Tenant
+from controlplane.model import ApiKeyRecord, Limits, Tenant, encode
 from controlplane.store.memory import MemoryStore
 from ponto.quota_types import utc_day
 from ponto.v1 import admin_pb2 as apb
@@ -219,3 +220,19 @@ async def test_pontoctl_key_list_takes_every_page(monkeypatch: pytest.MonkeyPatc
         assert [k["id"] for k in active["keys"]] == ids
         assert all(k["spent"]["month_tokens"] == 7 for k in active["keys"])
         assert len(active["spent"]) == 10
+
+
+async def test_pontoctl_asks_pages_as_large_as_the_control_plane_gives() -> None:
+    """Each page reads and sorts every key again on the control plane (at
+    20,000 keys pages of 1,000 cost it 1.0-1.2 s of CPU, one answer 0.16 s):
+    1,500 keys are one call."""
+    store = MemoryStore()
+    records = [key("acme", 1.8e9 + i, f"k{i:09d}") for i in range(1500)]
+    for r in records:
+        await store.put(KEY_RECORDS + r.id, encode(r))
+    async with admin(store) as stub:
+        sync = SyncAdmin(stub, asyncio.get_running_loop())
+        args = cli._parser().parse_args(["key", "list", "-o", "json"])
+        listed_ = json.loads(await asyncio.to_thread(cli.run, args, sync))
+        assert [k["id"] for k in listed_["keys"]] == [r.id for r in records]
+        assert [(r.page_size, r.page_token) for r in sync.asked] == [(MAX_PAGE, "")]
