@@ -1617,7 +1617,8 @@ def _list_keys(stub: Any, *, tenant: str = "", include_revoked: bool) -> apb.Lis
     """Every key ListKeys lists with this filter, asked a page at a time
     (each answer bounded, however many keys the fleet has), in one answer.
     A control plane older than pages answers every key at once, with no
-    token: one call."""
+    token: one call. The spend rows are ordered by scope, as one answer's
+    are (each page's are, among themselves)."""
     whole = apb.ListKeysResponse()
     token = ""
     while True:
@@ -1633,6 +1634,7 @@ def _list_keys(stub: Any, *, tenant: str = "", include_revoked: bool) -> apb.Lis
         whole.spent.extend(page.spent)
         token = page.next_page_token
         if not token:  # each token names a later key than the one before
+            whole.spent.sort(key=lambda s: s.scope)
             return whole
 
 
@@ -2302,7 +2304,10 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             if args.active:
                 now = time.time()
                 live = [k for k in keys.keys if _key_state(k, now) == "active"]
-                keys = apb.ListKeysResponse(keys=live, spent=keys.spent)
+                # The spend of the keys listed alone, as ListKeys' pages give.
+                scopes = {f"k/{k.id}" for k in live}
+                live_spent = [s for s in keys.spent if s.scope in scopes]
+                keys = apb.ListKeysResponse(keys=live, spent=live_spent)
             return _render_keys(stub, keys, args.output)
         if args.action == "models":
             # A control plane older than model lists has no such call: UNIMPLEMENTED.

@@ -236,3 +236,54 @@ async def test_pontoctl_asks_pages_as_large_as_the_control_plane_gives() -> None
         listed_ = json.loads(await asyncio.to_thread(cli.run, args, sync))
         assert [k["id"] for k in listed_["keys"]] == [r.id for r in records]
         assert [(r.page_size, r.page_token) for r in sync.asked] == [(MAX_PAGE, "")]
+
+
+async def test_pontoctl_prints_the_pages_as_one_answer_with_the_spend_of_its_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`key list -o json` over pages is the unpaged answer: the spend rows
+    in scope order (each page's are sorted among themselves only: acme's
+    keys, listed first, have the later ids). --active shows the spend of
+    the keys it lists alone, as a page does."""
+    monkeypatch.setattr(cli, "KEYS_PAGE", 2)
+    store = MemoryStore()
+    catalog = Catalog(store)
+    for tenant, ids in (("acme", ("z1", "z2", "z3")), ("beta", ("a1", "a2"))):
+        await catalog.put_tenant(Tenant(tenant), allow_update=False)
+        for n, key_id in enumerate(ids):
+            record = ApiKeyRecord(
+                f"{key_id}00000000",
+                "00" * 32,
+                tenant,
+                created_at=1.8e9 + n,
+                limits=Limits(tokens_per_day=1000),
+                suspended=key_id == "z2",
+            )
+            await store.put(KEY_RECORDS + record.id, encode(record))
+            spent = Ledger(utc_day(time.time()), month_gone=7.0).encode()
+            await store.put(LEDGER_PREFIX + f"k/{record.id}", spent)
+    async with admin(store) as stub:
+        sync = SyncAdmin(stub, asyncio.get_running_loop())
+
+        def pontoctl(*argv: str) -> Any:
+            return json.loads(cli.run(cli._parser().parse_args(list(argv)), sync))
+
+        unpaged = await stub.ListKeys(apb.ListKeysRequest(include_revoked=True))
+        expected = json.loads(cli.render(unpaged, "json", cli._rows_keys))
+        got = await asyncio.to_thread(pontoctl, "key", "list", "-o", "json")
+        assert len(sync.asked) == 3
+        assert got["spent"] == cli._spent_per_key(expected)["spent"]
+        assert [s["scope"] for s in got["spent"]] == sorted(f"k/{k['id']}" for k in got["keys"])
+        active = await asyncio.to_thread(pontoctl, "key", "list", "--active", "-o", "json")
+        assert [k["id"] for k in active["keys"]] == [
+            "z100000000",
+            "z300000000",
+            "a100000000",
+            "a200000000",
+        ]
+        assert [s["scope"] for s in active["spent"]] == [
+            "k/a100000000",
+            "k/a200000000",
+            "k/z100000000",
+            "k/z300000000",
+        ]
