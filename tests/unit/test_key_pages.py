@@ -287,3 +287,19 @@ async def test_pontoctl_prints_the_pages_as_one_answer_with_the_spend_of_its_key
             "k/z100000000",
             "k/z300000000",
         ]
+
+
+async def test_an_unpaged_ask_keeps_every_spend_and_the_rest_of_a_listing_its_own() -> None:
+    """An ask without page_size or page_token answers as before pages: the
+    spend of every budgeted key, the tenant filter's or not. A page_token
+    with page_size 0 asks every key left: a page, its keys' spend alone."""
+    store = MemoryStore()
+    ids = await fleet_of_keys(store, 3)
+    async with admin(store) as stub:
+        acme = await stub.ListKeys(apb.ListKeysRequest(tenant="acme"))
+        assert [k.tenant for k in acme.keys] == ["acme"] * 3
+        assert {s.scope for s in acme.spent} == {f"k/{i}" for i in ids}
+        first = await stub.ListKeys(apb.ListKeysRequest(page_size=2))
+        rest = await stub.ListKeys(apb.ListKeysRequest(page_token=first.next_page_token))
+        assert [k.id for k in rest.keys] == ids[2:] and not rest.next_page_token
+        assert {s.scope for s in rest.spent} == {f"k/{i}" for i in ids[2:]}
