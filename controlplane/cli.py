@@ -1617,8 +1617,11 @@ def _list_keys(stub: Any, *, tenant: str = "", include_revoked: bool) -> apb.Lis
     """Every key ListKeys lists with this filter, asked a page at a time
     (each answer bounded, however many keys the fleet has), in one answer.
     A control plane older than pages answers every key at once, with no
-    token: one call. The spend rows are ordered by scope, as one answer's
-    are (each page's are, among themselves)."""
+    token: one call. One asked a later page (pontoctl's connection moved to
+    an older replica in an upgrade) answers every key too: that answer,
+    more keys than a page holds, is the listing, not the rest of it. The
+    spend rows are ordered by scope, as one answer's are (each page's are,
+    among themselves)."""
     whole = apb.ListKeysResponse()
     token = ""
     while True:
@@ -1630,8 +1633,11 @@ def _list_keys(stub: Any, *, tenant: str = "", include_revoked: bool) -> apb.Lis
                 page_token=token,
             )
         )
-        whole.keys.extend(page.keys)
-        whole.spent.extend(page.spent)
+        if len(page.keys) > KEYS_PAGE:  # every key: an older control plane's
+            whole = page
+        else:
+            whole.keys.extend(page.keys)
+            whole.spent.extend(page.spent)
         token = page.next_page_token
         if not token:  # each token names a later key than the one before
             whole.spent.sort(key=lambda s: s.scope)

@@ -303,3 +303,32 @@ async def test_an_unpaged_ask_keeps_every_spend_and_the_rest_of_a_listing_its_ow
         rest = await stub.ListKeys(apb.ListKeysRequest(page_token=first.next_page_token))
         assert [k.id for k in rest.keys] == ids[2:] and not rest.next_page_token
         assert {s.scope for s in rest.spent} == {f"k/{i}" for i in ids[2:]}
+
+
+class UpgradedMidway(SyncAdmin):
+    """A control plane with pages for the first ListKeys, then (pontoctl's
+    connection moved to another replica in a rolling upgrade) one older than
+    pages: it knows neither page_size nor page_token, and answers every key."""
+
+    def ListKeys(self, request: apb.ListKeysRequest) -> apb.ListKeysResponse:
+        if self.asked:
+            request = apb.ListKeysRequest(
+                tenant=request.tenant, include_revoked=request.include_revoked
+            )
+        return super().ListKeys(request)
+
+
+async def test_pontoctl_lists_each_key_once_when_an_older_replica_answers_a_later_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "KEYS_PAGE", 4)
+    store = MemoryStore()
+    ids = await fleet_of_keys(store, 5)
+    async with admin(store) as stub:
+        sync = UpgradedMidway(stub, asyncio.get_running_loop())
+        args = cli._parser().parse_args(["key", "list", "-o", "json"])
+        listed_ = json.loads(await asyncio.to_thread(cli.run, args, sync))
+        assert [r.page_size for r in sync.asked] == [4, 0]
+        assert [k["id"] for k in listed_["keys"]] == ids
+        assert sorted(s["scope"] for s in listed_["spent"]) == sorted(f"k/{i}" for i in ids)
+        assert len(listed_["spent"]) == len(ids)
