@@ -355,7 +355,13 @@ class IdleTimeout:
         return since is not None and since < self._entered
 
     def close(self) -> None:
+        """The waits are done: no block follows. Its timer is cancelled,
+        and it lets go of its own bound method, a cycle through itself that
+        held its task, and so the task's result (a flight's stream, which
+        holds its request while its end is not written), until a full
+        collection."""
         self._timer.close()
+        self._late_call = _no_block
 
     def _late(self) -> None:
         # LazyTimer takes a timer one grain early as on time; a wait is cut at
@@ -366,3 +372,7 @@ class IdleTimeout:
             return
         self._expired = True
         self._task.cancel()
+
+
+def _no_block() -> None:
+    """A closed IdleTimeout's `_late_call`: no block is under way."""

@@ -1175,6 +1175,11 @@ class Pipeline:
         finally:
             if ex.detached:
                 self._settle(ex)
+                # The boundary let go of no answer when the client left (this
+                # task still wrote to it): the stream holds its request until
+                # its end is written, which a client gone never takes, and the
+                # request holds this exchange, whose answer it is.
+                ex.answer = ex.held = None
             del request, ex, origin, plan, lead  # nor this frame, which the exception holds
 
     def _detach(

@@ -614,11 +614,17 @@ class LeaderStream:
             self._drop()
 
     def _writer_ended(self, writer: asyncio.Task[None]) -> None:
-        # A writer cancelled before its first step (`close` at once) ran
-        # none of its code, its `finally` neither.
-        if writer is self._writer and self._active:
-            self._active = False
-            self._progressed()
+        if writer is self._writer:
+            # Let go of: a writer `close` cancelled keeps its cancellation,
+            # whose traceback holds the writer's frame, so this stream and its
+            # client's answer (its request): a cycle only a full collection
+            # frees.
+            self._writer = None
+            # A writer cancelled before its first step (`close` at once) ran
+            # none of its code, its `finally` neither.
+            if self._active:
+                self._active = False
+                self._progressed()
         if self.lagged and not self.let_go.done():
             self.let_go.set_result(None)
 
