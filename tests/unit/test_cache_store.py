@@ -263,10 +263,10 @@ async def test_entries_of_one_model_share_its_name() -> None:
         name = b"sim-small".decode()  # a new string each time, equal to the others
         made = entry(model=b"sim-small".decode())
         await store.put(f"key-{n}", made, tenant="t", model=name, ttl_s=600)
-    slots = list(store._entries.values())
-    assert {id(slot.model) for slot in slots} == {id(slots[0].model)}
-    assert {id(slot.entry.model) for slot in slots} == {id(slots[0].entry.model)}
-    assert slots[0].model == slots[0].entry.model == "sim-small"
+    slots = list(store._entries.values())  # (entry, tenant, model, expires_at)
+    assert {id(slot[2]) for slot in slots} == {id(slots[0][2])}
+    assert {id(slot[0].model) for slot in slots} == {id(slots[0][0].model)}
+    assert slots[0][2] == slots[0][0].model == "sim-small"
 
 
 async def test_purge_and_delete_report_to_the_callback() -> None:
