@@ -85,8 +85,10 @@ _RERANK = ResponseKind.RERANK
 # Not frozen, though never changed once made: a frozen dataclass sets each
 # field through object.__setattr__, and an entry cost some 15,800 instructions
 # to build (5,700 so), 1.2 % of a request kept in the cache
-# (bench/instructions.py). Hashed by value, as a frozen one is.
-@dataclass(slots=True, unsafe_hash=True)
+# (bench/instructions.py). Hashed by value, as a frozen one is. Its __init__
+# is its own, checks and size in the same frame: the dataclass's, then
+# __post_init__, were two (4,600 instructions an entry; one, 3,900).
+@dataclass(slots=True, unsafe_hash=True, init=False)
 class CachedResponse:
     """A complete answer that was a 200 from the origin. Exactly one of `body`
     (a non-streamed JSON body, as sent) or `chunks` (the `data:` payloads of a
@@ -98,30 +100,44 @@ class CachedResponse:
     created_at: float
     # The model the origin named in its answer.
     model: str
-    body: bytes | None = None
-    chunks: tuple[bytes, ...] | None = None
+    body: bytes | None
+    chunks: tuple[bytes, ...] | None
     # Indexes of chunks holding only usage (no choices), sent when the request
     # asked for stream_options.include_usage; skipped for requests that did not.
-    usage_only: frozenset[int] = frozenset()
+    usage_only: frozenset[int]
     # A stream recorded for a request that did not ask for usage, and that
     # carries none: it cannot answer a request that asks (`answers`), whose
     # client would get no usage at all where the origin would have sent it.
-    usage_missing: bool = False
+    usage_missing: bool
     # Approximate memory held, in bytes.
     size: int = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        kind: ResponseKind,
+        created_at: float,
+        model: str,
+        body: bytes | None = None,
+        chunks: tuple[bytes, ...] | None = None,
+        usage_only: frozenset[int] = frozenset(),
+        usage_missing: bool = False,
+    ) -> None:
+        if (body is None) == (chunks is None):
+            raise ValueError("exactly one of body and chunks must be set")
+        self.kind = kind
+        self.created_at = created_at
         # One string per model name however many entries name it: the name
         # parsed from each answer is a string of its own (some 60 bytes an
         # entry, which the store's SLOT_OVERHEAD does not count). Interned
         # strings are freed with their last entry.
-        self.model = sys.intern(self.model)
-        body, chunks = self.body, self.chunks
-        if (body is None) == (chunks is None):
-            raise ValueError("exactly one of body and chunks must be set")
+        self.model = sys.intern(model)
+        self.body = body
+        self.chunks = chunks
+        self.usage_only = usage_only
+        self.usage_missing = usage_missing
         if chunks is not None:
             self.size = ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in chunks)
-        elif self.usage_missing:
+        elif usage_missing:
             raise ValueError("only a stored stream can be recorded without usage")
         else:
             assert body is not None
