@@ -17,7 +17,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from dataplane import jsonio
 from dataplane.cache.entry import (
+    CHUNK_OVERHEAD,
     DONE_FRAME,
+    ENTRY_OVERHEAD,
     CachedResponse,
     ResponseKind,
     StreamRecorder,
@@ -144,6 +146,19 @@ def test_records_a_complete_stream_chunk_by_chunk() -> None:
     assert entry.chunks == tuple(orjson.dumps(e) for e in events)
     assert entry.usage_only == frozenset({len(events) - 1})
     assert entry.size > sum(len(c) for c in entry.chunks)
+
+
+def test_an_entry_counts_its_payload_and_the_objects_around_it() -> None:
+    # What the store's byte bound charges (store.SLOT_OVERHEAD beside it): a
+    # body's bytes, or each chunk's bytes and CHUNK_OVERHEAD, and the entry's
+    # ENTRY_OVERHEAD.
+    chunks = (b'{"a": 1}', b"", b"x" * 300)
+    streamed = CachedResponse(ResponseKind.CHAT, NOW, "m", chunks=chunks)
+    assert streamed.size == ENTRY_OVERHEAD + (8 + CHUNK_OVERHEAD) + CHUNK_OVERHEAD + (
+        300 + CHUNK_OVERHEAD
+    )
+    whole = CachedResponse(ResponseKind.CHAT, NOW, "m", b"y" * 500)
+    assert whole.size == ENTRY_OVERHEAD + 500
 
 
 SPLIT_STREAM = (
