@@ -145,7 +145,7 @@ def test_records_a_complete_stream_chunk_by_chunk() -> None:
     assert entry.model == "llama-3-8b" and entry.created_at == NOW
     assert entry.chunks == tuple(orjson.dumps(e) for e in events)
     assert entry.usage_only == frozenset({len(events) - 1})
-    assert entry.size > sum(len(c) for c in entry.chunks)
+    assert entry.size == ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in entry.chunks)
 
 
 def test_an_entry_counts_its_payload_and_the_objects_around_it() -> None:
