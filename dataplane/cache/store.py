@@ -18,15 +18,15 @@ from typing import Final, Literal, Protocol
 from dataplane.cache.entry import CachedResponse
 
 # What the process holds for each entry beyond the entry's own size: the key
-# string, the slot object, the index entries (LRU order, tenant and model sets,
+# string, the slot tuple, the index entries (LRU order, tenant and model sets,
 # expiry heap), the allocator's and the tables' slack, and the fragmentation
 # that evicting and replacing entries leaves. Set from RSS, not from
 # tracemalloc (which sees about 480 B of it), so that `--cache-max-mb` bounds
 # what the cache adds to the process (issue 17). bench/entry_rss.py measures
 # it, a full store that evicted five times its entries for new keys, each
 # answer and request naming its model in a string of its own, as under load:
-# RSS 1,516 / 1,995 / 3,348 B per entry for answers of 300 / 900 / 2,200
-# characters, counted with this 1,779 / 2,378 / 3,678 B (10-19 % over: room for
+# RSS 1,473 / 1,925 / 3,268 B per entry for answers of 300 / 900 / 2,200
+# characters, counted with this 1,779 / 2,378 / 3,678 B (13-24 % over: room for
 # the fragmentation a longer load adds, and for what the load itself holds
 # beside a full cache; bench/memory.py: peak RSS within bound + base).
 SLOT_OVERHEAD = 900
