@@ -148,6 +148,38 @@ def test_records_a_complete_stream_chunk_by_chunk() -> None:
     assert entry.size == ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in entry.chunks)
 
 
+@given(
+    pieces=st.lists(st.text(max_size=12), max_size=12),
+    n=st.integers(1, 3),
+    usage=st.booleans(),
+    spread=st.sets(st.integers(0, 40), max_size=6),
+)
+def test_a_recorded_streams_size_is_the_one_its_chunks_give(
+    pieces: list[str], n: int, usage: bool, spread: set[int]
+) -> None:
+    # The recorder hands its entry the size it counted for max_bytes; the
+    # store charges entry.size at a put and takes it off again when the entry
+    # leaves, and an entry read back from the region counts it from its
+    # chunks: every count must agree, payloads spread over data lines (kept
+    # rewritten on one) and texts kept unparsed included, or the bound drifts.
+    events = chat_stream(pieces, usage=usage, n=n)
+    raw = b""
+    for i, event in enumerate(events):
+        payload = orjson.dumps(event, option=orjson.OPT_INDENT_2 if i in spread else 0)
+        raw += b"data: " + payload.replace(b"\n", b"\ndata: ") + b"\n\n"
+    entry = recorded(raw + b"data: [DONE]\n\n")
+    assert entry.chunks is not None and len(entry.chunks) == len(events)
+    counted = CachedResponse(
+        entry.kind,
+        NOW,
+        entry.model,
+        chunks=entry.chunks,
+        usage_only=entry.usage_only,
+        usage_missing=entry.usage_missing,
+    )
+    assert entry.size == counted.size and entry == counted
+
+
 def test_an_entry_counts_its_payload_and_the_objects_around_it() -> None:
     # What the store's byte bound charges (store.SLOT_OVERHEAD beside it): a
     # body's bytes, or each chunk's bytes and CHUNK_OVERHEAD, and the entry's
