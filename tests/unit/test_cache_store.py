@@ -4,9 +4,12 @@ every CacheStore must meet."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dataplane.cache.entry import CachedResponse, ResponseKind
 from dataplane.cache.store import (
@@ -326,6 +329,71 @@ async def test_reserved_bytes_share_the_bound_and_fit_evicts_for_them() -> None:
     assert await store.get("k3") is None  # the least recent went for the new one
     reserved = 10 * c  # nothing of the store's fits beside it
     assert not await store.put("k11", e, tenant="t", model="m", ttl_s=60)
-    assert len(store) == 0
+    assert len(store) == 0 and store.stats.bytes == 0  # its cost taken off again
     assert store.stats.rejected == 1
     assert await store.get("k11") is None
+
+
+def _at_once(step: Coroutine[Any, Any, Any]) -> Any:
+    """The value of one of ExactStore's coroutines, which never suspend."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("ExactStore suspended")
+
+
+_STORED = st.one_of(
+    st.binary(max_size=400).map(lambda body: entry_of(body=body)),
+    st.lists(st.binary(max_size=120), max_size=8).map(lambda c: entry_of(chunks=tuple(c))),
+)
+
+
+def entry_of(**payload: Any) -> CachedResponse:
+    return CachedResponse(ResponseKind.CHAT, 0, "m", **payload)
+
+
+@given(data=st.data(), max_bytes=st.sampled_from([0, 3000, 8000, 30_000]))
+def test_the_bytes_counted_are_those_of_the_entries_held(
+    data: st.DataObject, max_bytes: int
+) -> None:
+    """Whatever puts, replacements, expiries, evictions, deletes and purges
+    came, the store's bytes are its live entries' costs counted afresh: a put
+    charges an entry's cost and its leaving takes the same off (the slot keeps
+    no cost of its own), or the bound drifts."""
+    clock = FakeClock()
+    store = ExactStore(max_bytes=max_bytes, clock=clock, max_entry_bytes=2500)
+    reserved = 0
+    store.reserved = lambda: reserved
+    keys = st.sampled_from(["a", "bb", "ccc", "dddd", "e" * 9])
+    for _ in range(data.draw(st.integers(1, 40))):
+        key = data.draw(keys)
+        op = data.draw(st.sampled_from(["put", "get", "delete", "purge", "time", "fit"]))
+        if op == "put":
+            store.put_now(
+                key,
+                data.draw(_STORED),
+                tenant=data.draw(st.sampled_from("tu")),
+                model=data.draw(st.sampled_from("mn")),
+                ttl_s=data.draw(st.sampled_from([0, 1, 5, 60])),
+            )
+        elif op == "get":
+            store.get_now(key)
+        elif op == "delete":
+            _at_once(store.delete(key))
+        elif op == "purge":
+            scope = data.draw(st.sampled_from([{}, {"tenant": "t"}, {"model": "m"}]))
+            _at_once(store.purge(**scope))
+        elif op == "time":
+            clock.advance(data.draw(st.sampled_from([0.5, 2, 10])))
+            store.sweep()
+        else:
+            reserved = data.draw(st.sampled_from([0, 1000, 5000]))
+            store.fit()
+        held = {k: slot[0] for k, slot in store._entries.items()}
+        afresh = [entry_of(body=e.body, chunks=e.chunks) for e in held.values()]
+        assert store.stats.bytes == sum(cost(e, k) for e, k in zip(afresh, held, strict=True))
+        # Within the bound beside the reserved bytes, which alone may pass it.
+        assert store.stats.bytes + reserved <= max_bytes or not store
+    _at_once(store.purge())
+    assert store.stats.bytes == 0 and len(store) == 0
