@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=0, help="print N costliest functions")
     args = parser.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
+    if args.report_ms < 50:  # what the proxy refuses at start, said before a run
+        parser.error("--report-interval-ms must be at least 50 (the proxy's least)")
     try:
         args.stream_tokens = [int(n) for n in args.stream_tokens.split(",") if n]
     except ValueError:
