@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from controlplane.errors import InvalidArgument
 from controlplane.model import ApiKeyRecord
 
-# Answers past this many keys are still a few MB (about 220 bytes a key with
-# its spend): any client's default 4 MiB receive limit takes one.
+# An answer of this many keys is about 1.1 MB (some 220 bytes a key with its
+# spend), which any client's default 4 MiB receive limit takes; not fewer,
+# as every page lists and sorts all the keys again (controlplane.cli's
+# KEYS_PAGE).
 MAX_PAGE = 5000
 # The token's first field (matched in _after): a token of another form is
 # refused, not misread.
@@ -73,7 +75,8 @@ def _after(token: str, tenant: str, include_revoked: bool) -> tuple[str, float, 
         fields = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
     except (UnicodeEncodeError, binascii.Error, ValueError, RecursionError):
         # RecursionError: lists nested past the interpreter's depth, which
-        # only a forged token has (it was INTERNAL, with a traceback logged).
+        # only a forged token has; let through, it would be INTERNAL, with a
+        # traceback logged, for a client's bad argument.
         fields = None
     match fields:
         case [1, str(of_tenant), bool(of_revoked), str(t), int() | float() as at, str(key_id)] if (

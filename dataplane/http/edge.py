@@ -1077,12 +1077,13 @@ async def _drained(writer: AbstractStreamWriter) -> bool:
 
 def bare(exc: BaseException) -> BaseException:
     """`exc` without its traceback and the exceptions it came from, to end a
-    task with (a connection's, a flight's): the task keeps the exception it ended with, and
-    a traceback holds every frame it went through, each with its locals (the
-    request, its body). A frame holding the task as well (a timeout, a watch
-    on an origin call, a flight's leader) made a cycle only a full garbage
-    collection freed, and a client leaving mid-answer kept its request's
-    body until then (two 5 MB bodies a stream stopped by its client)."""
+    task with (a connection's, a flight's): the task keeps the exception it
+    ended with, and a traceback holds every frame it went through, each with
+    its locals (the request, its body). A frame holding the task as well (a
+    timeout, a watch on an origin call, a flight's leader) makes a cycle only
+    a full garbage collection frees, and a client leaving mid-answer would
+    keep its request's body until then (two 5 MB bodies a stream stopped by
+    its client)."""
     exc.__cause__ = exc.__context__ = None
     return exc.with_traceback(None)
 

@@ -1275,13 +1275,13 @@ class RateLimiter:
 def _shown(
     req_st: _Scope | None, req_left: float, tok_st: _Scope | None, tok_left: float, unknown: float
 ) -> list[tuple[str, str]]:
-    """The headers of the scope shown for each dimension (`headers`'s choice:
-    the least estimated global remaining, `req_left` and `tok_left`, of
-    buckets refilled to the headers' time; None: no scope limits it).
-    `unknown`: the reset with no share yet."""
+    """The headers of the scope shown for each dimension, chosen by the
+    caller (`admit` or `headers`): the least estimated global remaining,
+    `req_left` and `tok_left`, of buckets refilled to the headers' time;
+    None: no scope limits it. `unknown`: the reset with no share yet."""
     # Remaining: the estimate, whole, in [0, limit]. Reset: until the bucket
-    # (refilled to `now` above) is full; with no share yet (rate 0) the
-    # share comes with the next rebalance.
+    # (refilled by the caller) is full; with no share yet (rate 0) the share
+    # comes with the next rebalance.
     out: list[tuple[str, str]]
     # Both are made again only when the level they were made of changed
     # (_Shown: the rest changes only where they are forgotten): a bucket

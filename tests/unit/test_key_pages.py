@@ -215,7 +215,8 @@ async def test_pontoctl_key_list_takes_every_page(monkeypatch: pytest.MonkeyPatc
         assert [k["id"] for k in listed_["keys"]] == ids
         assert [r.page_size for r in sync.asked] == [4, 4, 4]
         assert all(k["spent"]["month_tokens"] == 7 for k in listed_["keys"])
-        # --active keeps the spend (it had dropped it: every budget read 0).
+        # --active keeps the spend of the keys it lists (without it, every
+        # budget would read as unspent).
         active = await asyncio.to_thread(pontoctl, "key", "list", "--active", "-o", "json")
         assert [k["id"] for k in active["keys"]] == ids
         assert all(k["spent"]["month_tokens"] == 7 for k in active["keys"])
