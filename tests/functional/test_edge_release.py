@@ -36,6 +36,19 @@ def no_collector() -> Iterator[None]:
         gc.enable()
 
 
+async def posted(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to `port` on which a POST to `path` of a 100 KB body (one
+    a leak would show) has been sent whole."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b"x" * 100_000
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+    )
+    await writer.drain()
+    return reader, writer
+
+
 async def test_a_request_is_freed_when_its_client_closes_the_connection(
     no_collector: None,
 ) -> None:
@@ -52,13 +65,7 @@ async def test_a_request_is_freed_when_its_client_closes_the_connection(
     runner = (await listen(app))[0]
     port = runner.addresses[0][1]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = b"x" * 100_000
-        writer.write(
-            b"POST /v1/read HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
+        reader, writer = await posted(port, "/v1/read")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
         assert head.startswith(b"HTTP/1.1 200")
         # The connection is kept alive, its task waiting for the next request:
@@ -100,13 +107,7 @@ async def test_an_answered_request_is_freed_while_its_connection_waits_for_the_n
     runner = (await listen(app))[0]
     port = runner.addresses[0][1]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = b"x" * 100_000
-        writer.write(
-            b"POST /v1/read HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
+        reader, writer = await posted(port, "/v1/read")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
         assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 2" in head
         assert await asyncio.wait_for(reader.readexactly(2), WAIT) == b"ok"
@@ -158,13 +159,7 @@ async def test_a_request_is_freed_when_its_client_leaves_mid_answer(
     await site.start()
     port = runner.addresses[0][1]
     try:
-        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = b"x" * 100_000
-        writer.write(
-            b"POST /v1/endless HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await writer.drain()
+        _reader, writer = await posted(port, "/v1/endless")
         await asyncio.wait_for(reading.wait(), WAIT)
         server = runner.server
         assert server is not None
