@@ -580,21 +580,19 @@ async def test_a_large_state_is_decoded_and_compiled_off_the_event_loop(
     assert len(pub.latest.table.keys) == 600
 
 
-async def test_a_snapshot_decodes_the_keys_changed_since_the_last_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """At 20,000 keys every change decoded every key again (0.6 s); a key
-    whose value is as last decoded is taken as it was. A changed key is
-    decoded anew, and a deleted one is gone."""
-    store, catalog, _pub, _builder = await seeded_builder()
-    await catalog.put_tenant(Tenant("t1"), allow_update=False)
-    for start in range(0, 600, 100):
+async def put_keys(store: MemoryStore, count: int, tenant: str) -> None:
+    """Keys k0000.. of `tenant`, written 100 a transaction."""
+    for start in range(0, count, 100):
         await store.commit(
             [
-                Write(KEYS + f"k{i:04d}", encode(ApiKeyRecord(f"k{i:04d}", f"{i:064x}", "t1")))
-                for i in range(start, start + 100)
+                Write(KEYS + f"k{i:04d}", encode(ApiKeyRecord(f"k{i:04d}", f"{i:064x}", tenant)))
+                for i in range(start, min(start + 100, count))
             ]
         )
+
+
+def decodes_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the keys the catalog decodes from now on, in order."""
     decoded: list[str] = []
     real = decode_key
 
@@ -604,6 +602,19 @@ async def test_a_snapshot_decodes_the_keys_changed_since_the_last_alone(
         return key
 
     monkeypatch.setattr(catalog_module, "decode_key", counted)
+    return decoded
+
+
+async def test_a_snapshot_decodes_the_keys_changed_since_the_last_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 20,000 keys every change decoded every key again (0.6 s); a key
+    whose value is as last decoded is taken as it was. A changed key is
+    decoded anew, and a deleted one is gone."""
+    store, catalog, _pub, _builder = await seeded_builder()
+    await catalog.put_tenant(Tenant("t1"), allow_update=False)
+    await put_keys(store, 600, "t1")
+    decoded = decodes_counted(monkeypatch)
     assert len((await catalog.snapshot()).keys) == 600
     assert len(decoded) == 600
     decoded.clear()
@@ -638,22 +649,8 @@ async def test_a_read_of_the_keys_decodes_those_changed_since_the_snapshot_alone
     store, catalog, _pub, _builder = await seeded_builder()
     await catalog.put_tenant(Tenant("t1"), allow_update=False)
     await catalog.put_tenant(Tenant("t2"), allow_update=False)
-    for start in range(0, 600, 100):  # past the size decoded on the loop, which keeps none
-        await store.commit(
-            [
-                Write(KEYS + f"k{i:04d}", encode(ApiKeyRecord(f"k{i:04d}", f"{i:064x}", "t1")))
-                for i in range(start, start + 100)
-            ]
-        )
-    decoded: list[str] = []
-    real = decode_key
-
-    def counted(raw: bytes) -> ApiKeyRecord:
-        key = real(raw)
-        decoded.append(key.id)
-        return key
-
-    monkeypatch.setattr(catalog_module, "decode_key", counted)
+    await put_keys(store, 600, "t1")  # past the size decoded on the loop, which keeps none
+    decoded = decodes_counted(monkeypatch)
     await catalog.snapshot()
     assert len(catalog._keys) == 600
     known = dict(catalog._keys)
