@@ -408,7 +408,8 @@ class UsageCounter:
             return
         # Not `in` (see dataplane.streaming.sse), nor find, which parses a
         # tuple of its arguments: partition takes one, and gives back `data`
-        # and two empty bytes when it is not found, as it nearly never is.
+        # and two empty bytes when it is not found (nearly every event: only
+        # the usage chunk has the key), copying nothing.
         if not data.partition(b'"usage"')[1]:
             self._keyless = data
         else:
