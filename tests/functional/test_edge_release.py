@@ -36,6 +36,22 @@ def no_collector() -> Iterator[None]:
         gc.enable()
 
 
+async def reading(seen: list[weakref.ref[web.BaseRequest]]) -> tuple[EdgeRunner, int]:
+    """An EdgeRunner on loopback (the caller cleans it up) and its port,
+    answering POST /v1/read "ok" once it has read the body, each request
+    noted in `seen` (weakly)."""
+
+    async def read(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(weakref.ref(request))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/read", read)
+    runner, _site, port = await listen(app)
+    return runner, port
+
+
 async def posted(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A connection to `port` on which a POST to `path` of a 100 KB body (one
     a leak would show) has been sent whole."""
@@ -54,16 +70,7 @@ async def test_a_request_is_freed_when_its_client_closes_the_connection(
 ) -> None:
     seen: list[weakref.ref[web.BaseRequest]] = []
     done = asyncio.Event()
-
-    async def read(request: web.Request) -> web.Response:
-        await request.read()
-        seen.append(weakref.ref(request))
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/read", read)
-    runner = (await listen(app))[0]
-    port = runner.addresses[0][1]
+    runner, port = await reading(seen)
     try:
         reader, writer = await posted(port, "/v1/read")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
@@ -96,16 +103,7 @@ async def test_an_answered_request_is_freed_while_its_connection_waits_for_the_n
     """A pooled client's idle connection holds nothing of its last request
     while it waits (up to --keepalive-timeout) for the next one."""
     seen: list[weakref.ref[web.BaseRequest]] = []
-
-    async def read(request: web.Request) -> web.Response:
-        await request.read()
-        seen.append(weakref.ref(request))
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/read", read)
-    runner = (await listen(app))[0]
-    port = runner.addresses[0][1]
+    runner, port = await reading(seen)
     try:
         reader, writer = await posted(port, "/v1/read")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)
