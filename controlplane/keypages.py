@@ -38,8 +38,10 @@ def listing_order(key: ApiKeyRecord) -> tuple[str, float, str]:
 
 @dataclass(frozen=True, slots=True)
 class KeyPage:
+    """A ListKeys answer's keys, in listing_order, and the token that asks
+    for the next page ("" when no key follows)."""
+
     keys: Sequence[ApiKeyRecord]
-    # The next page's token; "" when no key follows.
     next_token: str
 
 
