@@ -12,6 +12,9 @@ import grpc
 
 class ControlPlaneError(Exception):
     status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # Set once a log line holds this refusal (the audit trail's entry, which
+    # controlplane.audit writes to the log too), so that it is logged once.
+    logged: bool = False
 
 
 class InvalidArgument(ControlPlaneError):

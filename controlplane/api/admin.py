@@ -18,6 +18,7 @@ import orjson
 from controlplane.api import auditing
 from controlplane.api.auditing import audited
 from controlplane.api.errors import grpc_errors
+from controlplane.api.guard import ADMIN_PREFIX, Refusal, RefusalLog
 from controlplane.apply import (
     limit_changes,
     model_changes,
@@ -279,12 +280,27 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     token_required: the guard requires the admin token (it names the actor then)."""
 
     def __init__(
-        self, catalog: Catalog, publisher: Publisher, audit: AuditLog, *, token_required: bool
+        self,
+        catalog: Catalog,
+        publisher: Publisher,
+        audit: AuditLog,
+        *,
+        token_required: bool,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` paces the log lines of refused calls (`refused`)."""
         self._catalog = catalog
         self._publisher = publisher
         self.audit = audit
         self.token_required = token_required
+        self._refusals = RefusalLog(clock)
+
+    def refused(self, method: str, refusal: Refusal, request: Any, context: Ctx) -> None:
+        """Log a call the core refused (grpc_errors) as the guard logs the
+        calls it refuses: one WARNING line a minute per caller, method,
+        status and message, the next saying how many were not logged (a
+        script repeating a refused call cannot flood the log)."""
+        self._refusals.refused(ADMIN_PREFIX + method, refusal, context.peer() or "", request)
 
     @grpc_errors
     @audited(auditing.put_region)

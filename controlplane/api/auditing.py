@@ -7,7 +7,9 @@ DrainRegion with drained=false, so the trail can be filtered by it), and what
 `describe(request, response)` says it acted on (response is None when the
 call failed). Calls refused before they reach the servicer (no admin token,
 a certificate of the wrong role) are logged by the guard, not recorded: an
-unauthenticated client must not be able to write to etcd.
+unauthenticated client must not be able to write to etcd. A refusal recorded
+is logged by its entry's line (controlplane.audit) alone; the Admin service
+logs the others (reads, dry runs) as the guard logs its own.
 """
 
 from __future__ import annotations
@@ -114,12 +116,15 @@ def audited(
             self: Audited, request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Resp:
             result, message, response = "ok", "", None
+            refusal: ControlPlaneError | None = None
             notes: dict[str, str] = {}
             noting = _NOTES.set(notes)
             try:
                 response = await fn(self, request, context)
             except BaseException as exc:
                 result, message = outcome_of(exc)
+                if isinstance(exc, ControlPlaneError):
+                    refusal = exc
                 raise
             finally:
                 _NOTES.reset(noting)
@@ -143,6 +148,10 @@ def audited(
                         result=result,
                         message=message,
                     )
+                    if refusal is not None:
+                        # The entry's ponto.audit line says it: grpc_errors
+                        # logs it no more.
+                        refusal.logged = True
             return response
 
         return call

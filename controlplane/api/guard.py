@@ -32,7 +32,8 @@ name it gave; a caller refused again and again (a proxy retrying with a wrong
 token) gets one line per REFUSAL_LOG_EVERY_S, which says how many were not
 logged. Refusals on the Routing service are counted through `on_refused`
 (`ponto_control_routing_refusals_total`); the Admin service's are counted with
-its calls (controlplane.api.metered).
+its calls (controlplane.api.metered). The Admin service logs the calls its
+core refuses with the same RefusalLog (controlplane.api.errors.grpc_errors).
 """
 
 from __future__ import annotations
@@ -111,15 +112,21 @@ def caller(peer: str, name: str) -> str:
     return f"{where} (proxy {name!r})" if name else where
 
 
+# A refusal's reason in a log line and its throttle's key: an Admin call's
+# may quote what the caller sent (a name, a page token), of any length.
+MAX_LOGGED_REASON = 512
+
+
 class RefusalLog:
     """Logs refused calls at WARNING, one line per REFUSAL_LOG_EVERY_S for each
     caller's address, method, status and reason (the line names the proxy the
     call gave, cut to MAX_LOGGED_NAME: a name is the caller's choice, so a
-    throttle by name would let one address log a line per call; a reason is
-    the guard's, one of a few). A wrong token after a missing one, or a
-    certificate of no role after one of the wrong role, had waited behind the
-    first line's minute (trial 23). Not thread-safe: the server's event loop
-    is its only caller."""
+    throttle by name would let one address log a line per call). A wrong
+    token after a missing one, or a certificate of no role after one of the
+    wrong role, had waited behind the first line's minute (trial 23). The
+    guard's refusals and the Admin service's (controlplane.api.errors) alike;
+    a reason is cut to MAX_LOGGED_REASON. Not thread-safe: the server's event
+    loop is its only caller."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -127,6 +134,8 @@ class RefusalLog:
 
     def refused(self, method: str, refusal: Refusal, peer: str, request: Any) -> None:
         code, message = refusal
+        if len(message) > MAX_LOGGED_REASON:
+            message = message[:MAX_LOGGED_REASON] + "..."
         name = proxy_name(request)
         # An IPv6 caller by its /64 (client_of), from any address of which
         # it may call: by address, one rotating through it logged a line each.

@@ -321,6 +321,7 @@ async def admin_server(
         Publisher("cp-1"),
         AuditLog(store, replica="cp-1", clock=clock),
         token_required=bool(admin_token),
+        clock=clock,
     )
     admin_pb2_grpc.add_AdminServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -1004,3 +1005,72 @@ def test_an_apply_entry_s_more_counts_exactly_what_the_trail_left_out() -> None:
     assert "more" in kept, kept
     said = int(kept["more"].split()[0])
     assert said == 20 - len(shown), f"{kept['more']!r}, but {len(shown)} of 20 shown"
+
+
+def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The refusal lines (api.guard.RefusalLog) caplog holds, the caller's
+    port left out."""
+    return [
+        re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", r.getMessage())
+        for r in caplog.records
+        if r.name == "controlplane.api.guard" and r.getMessage().startswith("refused ")
+    ]
+
+
+async def test_a_refused_call_is_logged_once_and_a_repeat_within_the_minute_counted(
+    store: MemoryStore, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read, or a write not recorded (a dry run), refused by the core left
+    no trace anywhere (a forged page token, a bad document): each is a
+    WARNING line naming the method, status, message and caller, at most once
+    a minute per caller, method, status and message, as the guard logs its
+    refusals. A refused write recorded in the trail is its entry's line alone."""
+    forged = apb.ListKeysRequest(page_token="forged")
+    bad_dry_run = apb.ApplyRequest(document="{", dry_run=True)
+    with caplog.at_level(logging.INFO):
+        async with admin_server(store, clock) as stub:
+            for _ in range(3):  # a script in a loop
+                assert await code_of(stub.ListKeys(forged)) == grpc.StatusCode.INVALID_ARGUMENT
+            assert await code_of(stub.Apply(bad_dry_run)) == grpc.StatusCode.INVALID_ARGUMENT
+            missing = stub.DrainRegion(apb.DrainRequest(name="nowhere", drained=True))
+            assert await code_of(missing) == grpc.StatusCode.NOT_FOUND
+            clock.now += 60
+            assert await code_of(stub.ListKeys(forged)) == grpc.StatusCode.INVALID_ARGUMENT
+    lines = refusals_logged(caplog)
+    assert len(lines) == 3, lines
+    listkeys = "refused /ponto.v1.Admin/ListKeys from ipv4:127.0.0.1:PORT: INVALID_ARGUMENT ("
+    assert lines[0].startswith(listkeys) and "page_token" in lines[0]
+    assert lines[1].startswith(
+        "refused /ponto.v1.Admin/Apply from ipv4:127.0.0.1:PORT: INVALID_ARGUMENT ("
+    )
+    assert lines[2].startswith(listkeys) and lines[2].endswith(" (2 more not logged)")
+    audited = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "ponto.audit"]
+    assert [(e["action"], e["result"]) for e in audited] == [("DrainRegion", "NOT_FOUND")]
+    refused = [r for r in caplog.records if r.name == "controlplane.api.guard"]
+    assert [r.levelno for r in refused] == [logging.WARNING] * 3
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_every_refused_admin_call_is_logged_once(
+    store: MemoryStore, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each Admin method called with an empty request (most are refused): a
+    refused call is one line of the log, its audit entry's or a refusal
+    line. A method added later is covered here without a change."""
+    service = apb.DESCRIPTOR.services_by_name["Admin"]
+    refused = 0
+    with caplog.at_level(logging.INFO):
+        async with admin_server(store, clock) as stub:
+            for method in service.methods:
+                caplog.clear()
+                request = apb.__dict__[method.input_type.name]()
+                code = await code_of(getattr(stub, method.name)(request))
+                if code == grpc.StatusCode.OK:
+                    continue
+                refused += 1
+                lines = [r.getMessage() for r in caplog.records if r.name == "ponto.audit"]
+                lines += refusals_logged(caplog)
+                assert len(lines) == 1, (method.name, lines)
+                assert code.name in lines[0], (method.name, lines)
+                assert not [r for r in caplog.records if r.exc_info], method.name
+    assert refused >= 10

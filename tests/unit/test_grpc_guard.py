@@ -22,7 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ponto.pki
 from controlplane.api.admin import AdminService
-from controlplane.api.guard import MAX_TRACKED_CALLERS, RefusalLog, TokenGuard, peer_host, peer_role
+from controlplane.api.guard import (
+    MAX_LOGGED_REASON,
+    MAX_TRACKED_CALLERS,
+    RefusalLog,
+    TokenGuard,
+    peer_host,
+    peer_role,
+)
 from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
 from controlplane.distribute import Publisher
@@ -867,6 +874,19 @@ def test_a_name_the_caller_chooses_neither_grows_the_log_nor_escapes_the_throttl
     [line] = refusal_lines(caplog)
     assert len(line) < 300
     assert sum(len(part) for key in refusals._lines for part in key) < 1024
+
+
+def test_a_reason_quoting_what_the_caller_sent_is_cut(caplog: pytest.LogCaptureFixture) -> None:
+    # An Admin call's refusal may quote its request (a name, a page token),
+    # up to the server's 4 MiB message size.
+    refusals = RefusalLog(Clock())
+    method = "/ponto.v1.Admin/DrainRegion"
+    reason = (grpc.StatusCode.NOT_FOUND, "region " + "x" * 2**20 + " not found")
+    with caplog.at_level(logging.WARNING, "controlplane.api.guard"):
+        refusals.refused(method, reason, "ipv4:10.0.0.5:4000", iter(()))
+    [line] = refusal_lines(caplog)
+    assert len(line) < MAX_LOGGED_REASON + 100 and line.endswith("xxx...)")
+    assert sum(len(part) for key in refusals._lines for part in key) < MAX_LOGGED_REASON + 100
 
 
 def test_the_callers_tracked_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
