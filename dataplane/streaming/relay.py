@@ -466,6 +466,10 @@ async def _relay_bytes(
                         chunk = await content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 cut = _why(exc, idle)
+                # The body's reader keeps its error, whose traceback holds
+                # this frame (`out`, so the request and its body): a cycle
+                # only a full garbage collection frees.
+                exc.__traceback__ = None
             else:
                 if chunk:
                     continue
@@ -650,6 +654,7 @@ async def _relay_events(
                             chunk = await content.readany()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     cut = _why(exc, idle)
+                    exc.__traceback__ = None  # see _relay_bytes
                 else:
                     if chunk:
                         continue

@@ -218,6 +218,31 @@ async def test_a_leader_whose_client_leaves_goes_on_for_its_follower(
     assert coalesced_hits(edge) == (1, 2)  # the follower; the follower and the replay
 
 
+async def left_while_followed(
+    start: Start, clients: list[Client], origin: Origin
+) -> tuple[Edge, Client, weakref.ref[web.Request]]:
+    """The leader's client gone (its writer started: followed, its writes
+    were queued) while a follower reads on, 4 events in hand; its request,
+    watched, still held by its flight's task."""
+    edge = await start(origin)
+    leader, follower = Client(edge), Client(edge)
+    clients.extend((leader, follower))
+    origin.let(3)
+    await leader.send()
+    assert len(await leader.events(3)) == 3
+    [request] = edge.app[METRICS].in_flight.requests.values()
+    freed = weakref.ref(request)
+    del request
+    await follower.send()
+    assert len(await follower.events(3)) == 3
+    origin.let(1)  # followed, the leader's writes are queued: its writer starts
+    assert len(await follower.events(1)) == len(await leader.events(1)) == 1
+    await leader.leave()
+    await until(lambda: edge.sample("ponto_client_disconnects_total", {}) == 1)
+    assert freed() is not None  # its flight's task goes on with it
+    return edge, follower, freed
+
+
 async def test_a_leader_whose_client_left_is_freed_once_its_flight_ends_for_its_follower(
     start: Start, clients: list[Client]
 ) -> None:
@@ -231,24 +256,49 @@ async def test_a_leader_whose_client_left_is_freed_once_its_flight_ends_for_its_
     gc.disable()
     try:
         origin = Origin()
-        edge = await start(origin)
-        leader, follower = Client(edge), Client(edge)
-        clients.extend((leader, follower))
-        origin.let(3)
-        await leader.send()
-        assert len(await leader.events(3)) == 3
-        [request] = edge.app[METRICS].in_flight.requests.values()
-        freed = weakref.ref(request)
-        del request
-        await follower.send()
-        assert len(await follower.events(3)) == 3
-        origin.let(1)  # followed, the leader's writes are queued: its writer starts
-        assert len(await follower.events(1)) == len(await leader.events(1)) == 1
-        await leader.leave()
-        await until(lambda: edge.sample("ponto_client_disconnects_total", {}) == 1)
-        assert freed() is not None  # its flight's task goes on with it
+        edge, follower, freed = await left_while_followed(start, clients, origin)
         origin.let(len(FRAMES) - 4)
         assert (await follower.rest()).rstrip().endswith(b"data: [DONE]")
+        detached = edge.app[PIPELINE]._detached
+        await until(lambda: not detached)
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+class Dropping(Origin):
+    """Resets its connection once the test lets out the event after its
+    fifth."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.calls += 1
+        out = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await out.prepare(request)
+        for frame in FRAMES[:5]:
+            await self.allowed.acquire()
+            await out.write(frame)
+        await self.allowed.acquire()
+        assert request.transport is not None
+        request.transport.abort()
+        return out
+
+
+async def test_a_leader_whose_client_left_is_freed_once_its_origin_cut_the_flight(
+    start: Start, clients: list[Client]
+) -> None:
+    """As above, the origin's connection reset mid-stream: the follower's
+    stream ends with the error event, and the body's reader keeps the read's
+    error, whose traceback held the relay's frames (the client's stream)."""
+    gc.collect()
+    gc.disable()
+    try:
+        origin = Dropping()
+        edge, follower, freed = await left_while_followed(start, clients, origin)
+        origin.let(2)
+        rest = (await follower.rest()).decode()
+        assert "upstream_stream_broken" in rest and WORDS[4] in rest
+        assert rest.rstrip().endswith("data: [DONE]")
         detached = edge.app[PIPELINE]._detached
         await until(lambda: not detached)
         assert freed() is None

@@ -5,7 +5,9 @@ that re-frames events (continuation on)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -268,6 +270,49 @@ async def test_a_responses_stream_dropped_before_its_last_event_is_cut(
     out, end = await relay_dropped(RESPONSES_STREAM[1], continuable=continuable, clean=clean)
     assert end.cut and not end.complete
     assert b"".join(out.written).endswith(ERROR_EVENT)
+
+
+class KeptError(Content):
+    """An origin's body whose connection dropped after its chunks, read as
+    aiohttp's reader is: it keeps the error and raises it at each read."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        super().__init__(*chunks)
+        self.error = aiohttp.ClientPayloadError("Response payload is not completed")
+
+    async def readany(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        raise self.error
+
+
+@pytest.mark.parametrize("continuable", [False, True], ids=["bytes", "events"])
+async def test_a_read_error_the_body_keeps_holds_none_of_the_relays_frames(
+    continuable: bool,
+) -> None:
+    """With the garbage collector off, the client's stream is freed once a
+    relay its origin cut returns, while the origin's body (held by its
+    answer, until released) keeps the read's error: its traceback held the
+    relay's frames, the client's stream (its request, its body) with them."""
+    gc.collect()
+    gc.disable()
+    try:
+        content, out = KeptError(b'data: {"a":1}\n\n'), Out()
+        freed = weakref.ref(out)
+        end = await relay(
+            b'data: {"a":0}\n\n',
+            content,
+            cast(web.StreamResponse, out),
+            readers=[Reader()],
+            idle_timeout=60.0,
+            resume=no_resume if continuable else None,
+        )
+        assert end.cut
+        del out
+        assert freed() is None
+        assert content.error.__traceback__ is None
+    finally:
+        gc.enable()
 
 
 HALF_WAY = (
