@@ -909,7 +909,12 @@ class Forwarder:
             error = upstream_unavailable(_what_failed(tries))
         error.attempts = tries.made
         error.spent = tries.worked
-        raise error
+        try:
+            raise error
+        finally:
+            # Its traceback holds this frame (`body`, the request's, megabytes
+            # for a document): a cycle only a full garbage collection frees.
+            del error
 
     def _tell(self, tries: _Tries, line: str, *args: object) -> None:
         """A request's failed attempts, in one line with its id; the client gets

@@ -472,22 +472,24 @@ async def test_followers_of_a_whole_answer_leader_gone_make_one_call(
     await until(lambda: in_flight(edge) == 0)
 
 
+class FailingFirst(WholeOrigin):
+    """Its first call fails once the test lets it out; the others are answered."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.calls += 1
+        if self.calls == 1:
+            await self.allowed.acquire()
+            raise ConnectionResetError  # aiohttp drops the connection: no answer
+        return web.json_response(COMPLETION)
+
+
 async def test_followers_of_a_leader_that_failed_still_call_on_their_own(
     start: Start, clients: list[Client]
 ) -> None:
     """Only a leader's leaving hands off: after an origin's failure each
     follower calls on its own, as before."""
-
-    class Failing(WholeOrigin):
-        async def handle(self, request: web.Request) -> web.StreamResponse:
-            await request.read()
-            self.calls += 1
-            if self.calls == 1:
-                await self.allowed.acquire()
-                raise ConnectionResetError  # aiohttp drops the connection: no answer
-            return web.json_response(COMPLETION)
-
-    origin = Failing()
+    origin = FailingFirst()
     edge = await start(origin, "--max-attempts=1")
     url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
     auth = {"authorization": f"Bearer {KEY.key}"}
@@ -502,3 +504,39 @@ async def test_followers_of_a_leader_that_failed_still_call_on_their_own(
         answers = await asyncio.gather(*posts)
         assert [a.status for a in answers] == [200, 200]
     assert origin.calls == 3
+
+
+@pytest.mark.parametrize("followed", [False], ids=["uncached"])
+async def test_a_whole_answer_whose_origin_failed_is_freed_once_answered(
+    start: Start, followed: bool
+) -> None:
+    """With the garbage collector off, a whole answer's request whose origin
+    failed is freed once it (and the follower of its flight) is answered:
+    the error the forwarder raised held its frame (the body), and a flight
+    kept the failure for its followers, whose traceback held the leader's
+    frames (its request, its body) and through its cache plan the flight."""
+    gc.collect()
+    gc.disable()
+    try:
+        origin = FailingFirst()
+        edge = await start(origin, "--max-attempts=1")
+        url = f"http://127.0.0.1:{edge.port}/v1/chat/completions"
+        auth = {"authorization": f"Bearer {KEY.key}"}
+        body = WHOLE if followed else {**WHOLE, "temperature": 1}
+        async with aiohttp.ClientSession() as session:
+            leader = asyncio.create_task(session.post(url, json=body, headers=auth))
+            await until(lambda: origin.calls == 1)
+            [request] = edge.app[METRICS].in_flight.requests.values()
+            freed = weakref.ref(request)
+            del request
+            posts = []
+            if followed:
+                posts.append(asyncio.create_task(session.post(url, json=body, headers=auth)))
+                await until(lambda: followers(edge) == 1)
+            origin.allowed.release()
+            answers = [await leader, *await asyncio.gather(*posts)]
+            assert [a.status for a in answers] == [502, 200][: len(answers)]
+        await until(lambda: in_flight(edge) == 0 and not edge.app[METRICS].in_flight.requests)
+        assert freed() is None
+    finally:
+        gc.enable()
