@@ -87,11 +87,12 @@ class _Flight:
         "chunks",
         "done",
         "entry",
-        "error",
+        "failure",
         "followers",
         "joinable",
         "key",
         "lagged",
+        "leader_left",
         "on_deserted",
         "on_joined",
         "positions",
@@ -106,7 +107,12 @@ class _Flight:
         self.joinable = True
         self.done = False
         self.entry: CachedResponse | None = None
-        self.error: BaseException | None = None
+        # What followers are told of a failure (`_describe`), and whether it
+        # was the leader's cancellation: not the exception, whose traceback
+        # holds the leader's frames (its request and body, and through its
+        # cache plan this flight: a cycle only a full collection frees).
+        self.failure: str | None = None
+        self.leader_left = False
         # Made by the first follower that waits: most flights have none.
         self.changed: asyncio.Event | None = None
         # Follower id -> index of the next chunk it will take. Only followers
@@ -267,7 +273,9 @@ class Leader:
             return
         flight.done = True
         flight.entry = entry if error is None else None
-        flight.error = error
+        if error is not None:
+            flight.failure = _describe(error)
+            flight.leader_left = isinstance(error, asyncio.CancelledError)
         # Nobody joins a flight that ended: its leader's callbacks (its
         # LeaderStream's, which holds the leader, a cycle, and its client's
         # answer and so its request) are let go of.
@@ -328,8 +336,8 @@ class Follower:
                 return data
             if flight.done:
                 self.close()
-                if flight.error is not None:
-                    raise FlightFailed(_describe(flight.error), delivered=self.delivered)
+                if flight.failure is not None:
+                    raise FlightFailed(flight.failure, delivered=self.delivered)
                 raise StopAsyncIteration
             await flight.wait()
 
@@ -341,7 +349,7 @@ class Follower:
         while not flight.done:
             await flight.wait()
         if flight.entry is None:
-            reason = _describe(flight.error) if flight.error else "the answer was not kept"
+            reason = flight.failure or "the answer was not kept"
             raise FlightFailed(reason, delivered=self.delivered)
         return flight.entry
 
@@ -352,7 +360,7 @@ class Follower:
         origin call failed: its followers then hand off (the first to `join`
         again leads a new flight, the rest follow that one)."""
         flight = self._flight
-        return flight.done and isinstance(flight.error, asyncio.CancelledError)
+        return flight.done and flight.leader_left
 
     def close(self) -> None:
         """Take no more chunks (this follower still waits for the outcome)."""

@@ -506,7 +506,7 @@ async def test_followers_of_a_leader_that_failed_still_call_on_their_own(
     assert origin.calls == 3
 
 
-@pytest.mark.parametrize("followed", [False], ids=["uncached"])
+@pytest.mark.parametrize("followed", [True, False], ids=["a-flights-leader", "uncached"])
 async def test_a_whole_answer_whose_origin_failed_is_freed_once_answered(
     start: Start, followed: bool
 ) -> None:
