@@ -50,7 +50,6 @@ import asyncio
 import logging
 import re
 import resource
-import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -1087,20 +1086,6 @@ def bare(exc: BaseException) -> BaseException:
     its client)."""
     exc.__cause__ = exc.__context__ = None
     return exc.with_traceback(None)
-
-
-def unheld(exc: BaseException) -> None:
-    """Drop the locals of the frames `exc`'s traceback went through (and
-    those of the exceptions it came from), for a task that ends with it
-    while its traceback is still to be logged (a bug's): its lines are
-    kept, not the request and body a frame held (see `bare`). The caller's
-    frame, under way, keeps its own."""
-    seen: set[int] = set()
-    at: BaseException | None = exc
-    while at is not None and id(at) not in seen:
-        seen.add(id(at))
-        traceback.clear_frames(at.__traceback__)
-        at = at.__cause__ or at.__context__
 
 
 def _lines_of(resp: web.StreamResponse) -> bytes | None:

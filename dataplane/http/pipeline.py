@@ -44,7 +44,7 @@ from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
 from dataplane.http.body import BodyTimeout, decode_body
 from dataplane.http.boundary import CLIENT_GONE, gone_reason, hand_over, send_whole
-from dataplane.http.edge import EdgeProtocol, WholeAnswer, bare, unheld
+from dataplane.http.edge import EdgeProtocol, WholeAnswer, bare
 from dataplane.http.errors import (
     ApiError,
     AuthUnavailableError,
@@ -1171,9 +1171,6 @@ class Pipeline:
             raise bare(exc) from None
         except BaseException as exc:
             plan.abandon(exc)
-            # The same cycle, but the failure is logged with its traceback
-            # (`_detach`, or the request's handler): its frames' locals go.
-            unheld(exc)
             raise
         finally:
             if ex.detached:
