@@ -299,7 +299,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         """Log a call the core refused (grpc_errors) as the guard logs the
         calls it refuses: one WARNING line a minute per caller, method,
         status and message, the next saying how many were not logged (a
-        script repeating a refused call cannot flood the log)."""
+        script repeating a refused call cannot flood the log; one whose
+        message quotes what it sent, a name changing each call, gets a line
+        a call: only holders of the admin token reach this)."""
         self._refusals.refused(ADMIN_PREFIX + method, refusal, context.peer() or "", request)
 
     @grpc_errors
