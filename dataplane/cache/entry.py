@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -293,11 +293,11 @@ class StreamRecorder:
     """Records a stream relayed to a client and judges it at the end.
 
     One per streamed relay; not shared between tasks. The relay hands it every
-    parsed event (`event`, from the relay's `SseParser`) or every chunk of bytes
-    (`feed`, which parses them itself), then calls `finish` once the origin's
-    stream has ended. On a cut stream or a client disconnect the relay simply
-    does not call `finish` (or calls it and gets None, as no [DONE] was seen).
-    An event named `error` is an error.
+    parsed event (`event`, or a read's at once, `read`, from the relay's
+    `SseParser`) or every chunk of bytes (`feed`, which parses them itself),
+    then calls `finish` once the origin's stream has ended. On a cut stream or
+    a client disconnect the relay simply does not call `finish` (or calls it
+    and gets None, as no [DONE] was seen). An event named `error` is an error.
 
     usage_asked: the relayed request asked for stream_options.include_usage.
     A stream that neither asked for usage nor carried any is kept marked
@@ -342,8 +342,8 @@ class StreamRecorder:
         self._model = ""
         self._done = False
         # The last chunk kept whose one choice's delta is `{"content": text}`,
-        # around that text (`_same_but_text`), or None.
-        self._like: tuple[bytes, bytes] | None = None
+        # around that text, and their lengths (`_around_text`), or None.
+        self._like: tuple[bytes, bytes, int, int] | None = None
         self.reason: str | None = None
         # Recording stopped at max_bytes (`ponto_cache_unkept_total`'s too_large).
         self.too_large = False
@@ -354,8 +354,7 @@ class StreamRecorder:
             return
         if self._parser is None:
             self._parser = SseParser()
-        for event in self._parser.feed(data):
-            self.event(event)
+        self.read(self._parser.feed(data))
 
     def finish(self, *, now: float, open_event: Event | None = None) -> CachedResponse | None:
         """Judge the stream once it has ended; see the class docstring.
@@ -462,6 +461,51 @@ class StreamRecorder:
 
     def event(self, ev: Event) -> None:
         """Record one parsed event of the stream."""
+        self.read((ev,))
+
+    def read(self, events: Sequence[Event]) -> None:
+        """Record each of `events`, in order: one call a read (a ReadSink's,
+        given a relayed read's events at once), not one an event."""
+        like = self._like if self.reason is None and not self._done else None
+        size, bound, kept = self._size, self._max_bytes, self._chunks
+        for ev in events:
+            if like is not None:
+                # The chunk `head` and `tail` were cut from (`_around_text`)
+                # with another text in its delta, a JSON string without `\\u`
+                # escapes: parsed, it would be that chunk with another string
+                # where no check of `_record` looks but at its type, so it is
+                # kept as that chunk was, unparsed (most chunks of a vLLM
+                # stream differ in their text alone; an OpenAI stream's
+                # `obfuscation` differs too, and is parsed). A few C calls,
+                # inline: this runs per chunk. A named event goes to
+                # `_record` (the same chunk kept, or an error event refused);
+                # an empty one, or [DONE], has not `head`.
+                head, tail, start, after = like
+                payload = ev.data
+                end = len(payload) - after
+                if (
+                    not ev.name
+                    and end >= start
+                    and payload[:start] == head  # slices: startswith parses arguments
+                    and payload[end:] == tail
+                    and _TEXT_BODY.fullmatch(payload, start, end) is not None
+                    and (payload.isascii() or _utf8(payload))
+                ):
+                    size += len(payload) + CHUNK_OVERHEAD
+                    if bound is not None and size > bound:
+                        self._size = size
+                        self._too_large()
+                        return
+                    kept.append(payload)
+                    continue
+            self._size = size
+            self._record(ev)
+            size = self._size
+            like = self._like if self.reason is None and not self._done else None
+        self._size = size
+
+    def _record(self, ev: Event) -> None:
+        """Record an event not told by `read` to be like the last chunk kept."""
         if self.reason is not None:
             return
         if ev.name == b"error":
@@ -473,27 +517,7 @@ class StreamRecorder:
         if ev.done:
             self._done = True
             return
-        like = self._like
-        if like is not None:
-            # The chunk `head` and `tail` were cut from (`_around_text`) with
-            # another text in its delta, a JSON string without `\\u` escapes:
-            # parsed, it would be that chunk with another string where no
-            # check below looks but at its type, so it is kept as that chunk
-            # was, unparsed (most chunks of a vLLM stream differ in their text
-            # alone; an OpenAI stream's `obfuscation` differs too, and is
-            # parsed). A few C calls, inline: this runs per chunk.
-            head, tail = like
-            end = len(payload) - len(tail)
-            if (
-                end >= len(head)
-                and payload.startswith(head)
-                and payload.endswith(tail)
-                and _TEXT_BODY.fullmatch(payload, len(head), end) is not None
-                and (payload.isascii() or _utf8(payload))
-            ):
-                self._keep(payload)
-                return
-            self._like = None
+        self._like = None
         try:
             obj = jsonio.loads(payload)
         except jsonio.JSONDecodeError:
@@ -569,10 +593,13 @@ class StreamRecorder:
     def _keep(self, payload: bytes) -> None:
         self._size += len(payload) + CHUNK_OVERHEAD
         if self._max_bytes is not None and self._size > self._max_bytes:
-            self._fail(f"larger than {self._max_bytes} bytes")
-            self.too_large = True
+            self._too_large()
             return
         self._chunks.append(payload)
+
+    def _too_large(self) -> None:
+        self._fail(f"larger than {self._max_bytes} bytes")
+        self.too_large = True
 
 
 # A JSON string's body without `\u` escapes (which may be lone surrogates),
@@ -582,13 +609,14 @@ _TEXT_BODY: Final = re.compile(rb'[^"\\\x00-\x1f]*+(?:\\["\\/bfnrt][^"\\\x00-\x1
 _DELTA_TEXT: Final = b'"delta":{"content":"'
 
 
-def _around_text(payload: bytes) -> tuple[bytes, bytes] | None:
+def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int] | None:
     """`payload` (a chunk kept, whose one choice's delta is `{"content":
-    text}`, with no usage) before and after that text, or None when it is
+    text}`, with no usage) before and after that text, and their lengths
+    (StreamRecorder.read's per chunk, taken once), or None when it is
     not found once, compact, without escapes (`_TEXT_BODY`). A `"delta":`
     key can be no string's bytes (a string's quotes are escaped), so the
     text found is a delta's: the choice's, or one nested where no check of
-    StreamRecorder.event looks."""
+    StreamRecorder._record looks."""
     at = payload.find(_DELTA_TEXT)
     if at < 0 or payload.find(_DELTA_TEXT, at + 1) >= 0:
         return None
@@ -596,7 +624,7 @@ def _around_text(payload: bytes) -> tuple[bytes, bytes] | None:
     text = _TEXT_BODY.match(payload, start)
     if text is None or payload[text.end() : text.end() + 1] != b'"':
         return None
-    return payload[:start], payload[text.end() :]
+    return payload[:start], payload[text.end() :], start, len(payload) - text.end()
 
 
 def _utf8(data: bytes) -> bool:

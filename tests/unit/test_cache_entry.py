@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion, CreateEmbeddingResponse
@@ -990,3 +990,56 @@ def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
     # The role chunk, the first text (a delta of text alone), the one with
     # a `\\u` escape, and the last.
     assert parsed == [_ROLE, texts[0], texts[3], _LAST]
+
+
+_USAGE = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'  # noqa: E501
+_SAME = Event(_TEXT % b"same")
+_NAMED_ERROR = Event(_TEXT % b"an error", b"error")
+_DONE = Event(b"[DONE]")
+# Events a stream may hold: chunks of text (like the last kept or not),
+# others parsed, named ones (an error too), empty ones, [DONE] and past it.
+_EVENTS = [
+    Event(_ROLE),
+    *(Event(_TEXT % t) for t in _TEXTS),
+    *[_SAME] * 4,
+    Event(_LAST),
+    Event(_USAGE),
+    Event(_TEXT % b"named", b"message"),
+    _NAMED_ERROR,
+    Event(b""),
+    Event(b"not json"),
+    Event(_TEXT.replace(b'"delta"', b'\n"delta"') % b"two lines"),
+    _DONE,
+    Event(b" [DONE] "),
+]
+
+
+def _entry_of(recorder: StreamRecorder) -> tuple[object, ...]:
+    entry = recorder.finish(now=NOW)
+    return (recorder.reason, recorder.too_large, entry and (entry.chunks, entry.size))
+
+
+# A chunk like the last kept after [DONE] in the same read, and one named error.
+@example(events=[_SAME, Event(_LAST), _DONE, _SAME], cuts=[1], max_bytes=None)
+@example(events=[_SAME, _NAMED_ERROR, _DONE], cuts=[], max_bytes=None)
+@settings(max_examples=600, deadline=None)
+@given(
+    events=st.lists(st.sampled_from(_EVENTS), max_size=24),
+    cuts=st.lists(st.integers(0, 24), max_size=6),
+    max_bytes=st.one_of(st.none(), st.integers(0, 3000)),
+)
+def test_a_recorder_given_whole_reads_records_what_it_records_given_each_event(
+    events: list[Event], cuts: list[int], max_bytes: int | None
+) -> None:
+    # StreamRecorder.read, the relay's whole reads (a ReadSink), keeps the
+    # chunks, size and verdict `event` keeps, however the events are read,
+    # and those of a recorder that parses every chunk.
+    bounds = [0, *sorted(cuts), len(events)]
+    by_read, by_event, parsed = (StreamRecorder(max_bytes=max_bytes) for _ in range(3))
+    for start, end in itertools.pairwise(bounds):
+        by_read.read(events[start:end])
+    for ev in events:
+        by_event.event(ev)
+        parsed.event(ev)
+        parsed._like = None  # the next chunk is parsed
+    assert _entry_of(by_read) == _entry_of(by_event) == _entry_of(parsed)
