@@ -66,7 +66,7 @@ from controlplane.errors import (
     MAY_HAVE_BEEN_MADE,
     InvalidArgument,
 )
-from controlplane.keypages import MAX_PAGE
+from controlplane.keypages import MAX_PAGE, spent_of
 from controlplane.load import NO_CONTINUATION
 from controlplane.messages import origin_of, region_of, tenant_of
 from controlplane.model import (
@@ -2311,8 +2311,7 @@ def run(args: argparse.Namespace, stub: Any) -> str:
                 now = time.time()
                 live = [k for k in keys.keys if _key_state(k, now) == "active"]
                 # The spend of the keys listed alone, as ListKeys' pages give.
-                scopes = {f"k/{k.id}" for k in live}
-                live_spent = [s for s in keys.spent if s.scope in scopes]
+                live_spent = spent_of((k.id for k in live), keys.spent)
                 keys = apb.ListKeysResponse(keys=live, spent=live_spent)
             return _render_keys(stub, keys, args.output)
         if args.action == "models":

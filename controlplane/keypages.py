@@ -15,11 +15,13 @@ import binascii
 import bisect
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from controlplane.errors import InvalidArgument
 from controlplane.model import ApiKeyRecord
+from ponto.quota_types import key_scope
+from ponto.v1 import admin_pb2 as apb
 
 # An answer of this many keys is about 1.1 MB (some 220 bytes a key with its
 # spend), which any client's default 4 MiB receive limit takes; not fewer,
@@ -65,6 +67,13 @@ def page_of(
     page = keys[start:end]
     more = end < len(keys)
     return KeyPage(page, _token(page[-1], tenant, include_revoked) if more else "")
+
+
+def spent_of(key_ids: Iterable[str], spent: Iterable[apb.BudgetSpent]) -> list[apb.BudgetSpent]:
+    """The rows of `spent` that are the keys' of `key_ids` (scope k/<id>), in
+    their order: a page's, or a listing's cut to its active keys."""
+    scopes = {key_scope(key_id) for key_id in key_ids}
+    return [row for row in spent if row.scope in scopes]
 
 
 def _token(last: ApiKeyRecord, tenant: str, include_revoked: bool) -> str:

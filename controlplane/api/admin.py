@@ -34,7 +34,7 @@ from controlplane.ejections import fleet_ejections
 from controlplane.errors import ChangedSinceRead, InvalidArgument, Unavailable
 from controlplane.fleetstate import unknown_why
 from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
-from controlplane.keypages import page_of
+from controlplane.keypages import page_of, spent_of
 from controlplane.messages import (
     cache_of,
     jwt_of,
@@ -575,8 +575,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         spent = await self._spent("k/")
         if request.page_size or request.page_token:  # a page: its keys' spend alone
-            listed = {f"k/{k.id}" for k in page.keys}
-            spent = [s for s in spent if s.scope in listed]
+            spent = spent_of((k.id for k in page.keys), spent)
         return apb.ListKeysResponse(
             keys=[key_pb(k) for k in page.keys], spent=spent, next_page_token=page.next_token
         )
