@@ -752,31 +752,51 @@ _STEPS = st.lists(
 )
 
 
+def stepped_limiter() -> RateLimiter:
+    """The differential tests' limiter: the tenant with rpm and tpm, its key
+    with rpm, each scope holding its whole limit."""
+    rl = limiter({T: ScopeLimits(rpm=60, tpm=10_000), K: ScopeLimits(rpm=60)}, {})
+    rl.apply_shares({T: Share(1.0), K: Share(1.0)}, 0.0)
+    return rl
+
+
+def take_step(rl: RateLimiter, step: tuple[Any, ...], now: float) -> float:
+    """One of _STEPS other than an admission, on `rl`: the time after it."""
+    if step[0] == "configure":
+        rl.configure(step[1], now)
+    elif step[0] == "share":
+        rl.apply_shares({step[1]: Share(step[2])}, now)
+    else:
+        now += step[1]
+    return now
+
+
+def headers_afresh(
+    rl: RateLimiter, scopes: list[str], now: float, refusal: Admission | None = None
+) -> list[tuple[str, str]]:
+    """rl.headers as made of its state with no headers kept from before."""
+    made = copy.deepcopy(rl)
+    for scope in made._scopes.values():
+        scope.req_shown = scope.tok_shown = None
+    return made.headers(scopes, now, refusal)
+
+
 @settings(max_examples=300, deadline=None, database=None)
 @given(steps=_STEPS)
 def test_headers_kept_are_the_headers_remade(steps: list[tuple[Any, ...]]) -> None:
     """Differential (review 324): the remaining and reset headers a scope
     keeps with the level they were made of (RateLimiter.headers) are those
     made anew, whatever tables, shares, admissions and time came between."""
-    rl = limiter({T: ScopeLimits(rpm=60, tpm=10_000), K: ScopeLimits(rpm=60)}, {})
-    rl.apply_shares({T: Share(1.0), K: Share(1.0)}, 0.0)
+    rl = stepped_limiter()
     now = 0.0
     for step in steps:
-        if step[0] == "configure":
-            rl.configure(step[1], now)
-        elif step[0] == "share":
-            rl.apply_shares({step[1]: Share(step[2])}, now)
-        elif step[0] == "admit":
+        if step[0] == "admit":
             admission = rl.admit([T, K], step[1], now)
             if admission.ok:
                 admission.release(step[1], now)
         else:
-            now += step[1]
-        kept = rl.headers([T, K], now)
-        remade = copy.deepcopy(rl)
-        for scope in remade._scopes.values():
-            scope.req_shown = scope.tok_shown = None
-        assert kept == remade.headers([T, K], now)
+            now = take_step(rl, step, now)
+        assert rl.headers([T, K], now) == headers_afresh(rl, [T, K], now)
 
 
 @settings(max_examples=300, deadline=None, database=None)
@@ -789,26 +809,18 @@ def test_an_admissions_headers_are_those_made_of_the_state_it_left(
     limiter's state just after, with nothing kept; whatever tables, shares,
     admissions and time came before, and with scopes that have no limits
     among those asked for."""
-    rl = limiter({T: ScopeLimits(rpm=60, tpm=10_000), K: ScopeLimits(rpm=60)}, {})
-    rl.apply_shares({T: Share(1.0), K: Share(1.0)}, 0.0)
+    rl = stepped_limiter()
     scopes = [T, *also]
     now = 0.0
     for step in steps:
-        if step[0] == "configure":
-            rl.configure(step[1], now)
-        elif step[0] == "share":
-            rl.apply_shares({step[1]: Share(step[2])}, now)
-        elif step[0] == "admit":
+        if step[0] == "admit":
             admission = rl.admit(scopes, step[1], now)
-            made = copy.deepcopy(rl)
-            for scope in made._scopes.values():
-                scope.req_shown = scope.tok_shown = None
-            shown = rl.headers(scopes, now, admission)
-            assert shown == made.headers(scopes, now, None if admission.ok else admission)
+            afresh = headers_afresh(rl, scopes, now, None if admission.ok else admission)
+            assert rl.headers(scopes, now, admission) == afresh
             if admission.ok and step[1] % 2:
                 admission.release(step[1], now)
         else:
-            now += step[1]
+            now = take_step(rl, step, now)
 
 
 def test_of_scopes_left_the_same_the_first_asked_for_is_shown() -> None:
