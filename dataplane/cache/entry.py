@@ -491,6 +491,7 @@ class StreamRecorder:
                     and _TEXT_BODY.fullmatch(payload, start, end) is not None
                     and (payload.isascii() or _utf8(payload))
                 ):
+                    # `_keep`, its size in a local.
                     size += len(payload) + CHUNK_OVERHEAD
                     if bound is not None and size > bound:
                         self._size = size
