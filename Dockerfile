@@ -42,7 +42,8 @@ RUN if [ -n "$BUILD_COMMIT" ]; then echo "$BUILD_COMMIT" > ponto/_build.txt; \
     && pip wheel --no-deps --wheel-dir /wheels . \
     && python -m venv /opt/ponto \
     && /opt/ponto/bin/pip install --no-index --find-links /wheels ponto \
-    && /opt/ponto/bin/pip uninstall --yes pip setuptools
+    && /opt/ponto/bin/pip uninstall --yes pip setuptools \
+    && /opt/ponto/bin/python -m compileall -q -o 0 -o 2 -x '/tests?/' /opt/ponto/lib
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="ponto" \
@@ -53,7 +54,11 @@ RUN groupadd --system --gid 10001 ponto \
     && useradd --system --uid 10001 --gid 10001 --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin ponto
 COPY --from=builder /opt/ponto /opt/ponto
-# Bytecode was compiled at install time; the root filesystem may be read-only.
+# Bytecode is compiled at build time, for the default level and for
+# PYTHONOPTIMIZE=2 (docs/architecture.md, "Memory"), the standard library's
+# too: the root filesystem may be read-only, and a module compiled at start
+# leaves the compiler's garbage in the heap (some 2 MB of a proxy's RSS).
+RUN python -m compileall -q -o 0 -o 2 -x '/tests?/' /usr/local/lib/python3.11
 ENV PATH=/opt/ponto/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -215,16 +215,19 @@ class Target:
         return tuple(process_tree(self.pid))
 
 
-def start_ponto(fleet: Fleet, proxy_args: Sequence[str] = ()) -> tuple[Managed, Managed]:
+def start_ponto(
+    fleet: Fleet, proxy_args: Sequence[str] = (), launcher: Sequence[str] = ()
+) -> tuple[Managed, Managed]:
     """etcd, one control plane, one origin (no delays) and one proxy, which runs alone on
-    SERVER_CPU with PONTO_ARGS (then `proxy_args`, which may override them); returns
-    (origin, proxy) once the proxy serves the origin."""
+    SERVER_CPU with PONTO_ARGS (then `proxy_args`, which may override them) and
+    `launcher` before its interpreter; returns (origin, proxy) once the proxy
+    serves the origin."""
     fleet.start_etcd()
     fleet.start_control()
     fleet.add_region(RegionDef("local", 0.0, 0.0))
     origin = start_simulator(fleet)
     table = fleet.table_version(origins=1)
-    proxy = start_proxy_alone(fleet, "proxy", proxy_args)
+    proxy = start_proxy_alone(fleet, "proxy", proxy_args, launcher)
     fleet.wait_proxies_at(table)
     return origin, proxy
 
@@ -250,11 +253,16 @@ def start_seat_origin(fleet: Fleet) -> Managed:
     return seat
 
 
-def start_proxy_alone(fleet: Fleet, name: str, proxy_args: Sequence[str] = ()) -> Managed:
+def start_proxy_alone(
+    fleet: Fleet, name: str, proxy_args: Sequence[str] = (), launcher: Sequence[str] = ()
+) -> Managed:
     """Proxy `name` of region "local", alone on SERVER_CPU, with PONTO_ARGS then
-    `proxy_args`; its environment (PYTHONPATH: which Ponto it runs) is the caller's."""
+    `proxy_args` (and `launcher` before its interpreter, as Fleet.start_proxy);
+    its environment (PYTHONPATH: which Ponto it runs) is the caller's."""
     with affinity({SERVER_CPU}):
-        proxy = fleet.start_proxy(name, "local", extra=[*PONTO_ARGS, *proxy_args])
+        proxy = fleet.start_proxy(
+            name, "local", extra=[*PONTO_ARGS, *proxy_args], launcher=launcher
+        )
     pin_tree(proxy.proc.pid, {SERVER_CPU})
     return proxy
 

@@ -1,7 +1,7 @@
 """Peak memory of one proxy under a long unique-request load, against its cache bound.
 
     .venv/bin/python -m bench.memory [--cache-mb 32] [--seconds 40] [--max-tokens 256] \
-        [--from-source]
+        [--from-source] [--optimize]
 
 Issue 17 asks that memory be bounded by configuration: a proxy's peak RSS stays
 under its exact cache's bound plus its base footprint, however long the load.
@@ -27,6 +27,10 @@ every start, and the compiler's garbage stays in the heap, some 2 MB of RSS
 (3 MB at import) that no deployment holds. The bytecode goes to a temporary
 PYTHONPYCACHEPREFIX, written by one import of the proxy before the runs, so
 the checkout is left as it was. --from-source measures the old way.
+
+--optimize runs the proxy with PYTHONOPTIMIZE=2 (as `python -OO`: no
+docstrings, no asserts), its bytecode compiled for that level too
+(docs/operations.md, "Memory").
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
     """One proxy with its exact cache bounded at cache_mb, under the load."""
     with tempfile.TemporaryDirectory(prefix="ponto-memory-") as tmp, Fleet(Path(tmp)) as fleet:
         with affinity({LOAD_CPU}):
-            _, proxy = start_ponto(fleet, ["--cache-max-mb", str(cache_mb)])
+            launcher = ("env", "PYTHONOPTIMIZE=2") if args.optimize else ()
+            _, proxy = start_ponto(fleet, ["--cache-max-mb", str(cache_mb)], launcher)
         headers, what = configure_ponto_features(fleet, "auth-limits-cache")
         wait_ready(fleet, "proxy")  # its share of the new key's limits
         pid = proxy.proc.pid
@@ -92,16 +97,20 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def compiled_bytecode() -> Iterator[None]:
+def compiled_bytecode(optimize: bool = False) -> Iterator[None]:
     """For the block, every process this one starts (the proxy, and the fleet
     beside it) reads and writes bytecode under a temporary prefix, written
-    first by one import of the proxy's modules; see the module docstring."""
+    first by one import of the proxy's modules (at -OO too if `optimize`);
+    see the module docstring."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
     with tempfile.TemporaryDirectory(prefix="ponto-memory-pyc-") as prefix:
         os.environ["PYTHONPYCACHEPREFIX"] = prefix
         os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
         try:
-            subprocess.run([sys.executable, "-c", "import dataplane.run"], check=True, timeout=120)
+            for flags in [[], ["-OO"]] if optimize else [[]]:
+                subprocess.run(
+                    [sys.executable, *flags, "-c", "import dataplane.run"], check=True, timeout=120
+                )
             yield
         finally:
             for key, value in saved.items():
@@ -112,11 +121,12 @@ def compiled_bytecode() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with contextlib.nullcontext() if args.from_source else compiled_bytecode():
+    with contextlib.nullcontext() if args.from_source else compiled_bytecode(args.optimize):
         base = measure(0, args)
         bounded = measure(args.cache_mb, args)
     return {
         "bytecode": "compiled at each start" if args.from_source else "compiled before",
+        "optimize": 2 if args.optimize else 0,
         "base": base,
         "bounded": bounded,
         "within_bound": bounded["peak_rss_mb"] <= base["peak_rss_mb"] + args.cache_mb,
@@ -134,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the proxy as this environment does (with PYTHONDONTWRITEBYTECODE, "
         "compiling its sources at start) rather than from compiled bytecode",
+    )
+    p.add_argument(
+        "--optimize",
+        action="store_true",
+        help="run the proxy with PYTHONOPTIMIZE=2 (no docstrings, no asserts)",
     )
     args = p.parse_args(argv)
     report = run(args)

@@ -37,12 +37,13 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
-def loaded(*flags: str) -> set[str]:
-    """sys.modules of a proxy started with `flags`: each module, and each package
-    it belongs to ("a.b.c" as "a.b.c", "a.b" and "a")."""
+def loaded(*flags: str, interpreter: tuple[str, ...] = ()) -> set[str]:
+    """sys.modules of a proxy started with `flags` (and the interpreter's own
+    `interpreter` flags): each module, and each package it belongs to ("a.b.c"
+    as "a.b.c", "a.b" and "a")."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(p for p in sys.path if p)}
     out = subprocess.run(
-        [sys.executable, "-c", SERVE, *flags],
+        [sys.executable, *interpreter, "-c", SERVE, *flags],
         env=env,
         capture_output=True,
         text=True,
@@ -66,3 +67,10 @@ def test_a_default_proxy_loads_neither_geoip_code_nor_importlib_metadata() -> No
 def test_a_proxy_with_a_geoip_database_loads_geoip2(tmp_path: Path) -> None:
     db = write_city_db(tmp_path / "city.mmdb", DOC_RANGES)
     assert {"geoip2", "maxminddb"} <= loaded(f"--geoip-db={db}")
+
+
+def test_a_proxy_starts_without_docstrings_or_asserts() -> None:
+    """PYTHONOPTIMIZE=2 (`python -OO`) is a documented way to a smaller base
+    (docs/architecture.md, "Memory"): nothing the proxy loads on its way to
+    serving may read a docstring (None under -OO) or need an assert."""
+    assert "dataplane.http.server" in loaded(interpreter=("-OO",))
