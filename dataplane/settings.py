@@ -34,6 +34,12 @@ MAX_ENTRY_KB = 1 << 20  # --cache-max-entry-kb: 1 GB, past any cache bound given
 # the data plane does not import; a test keeps the two equal).
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
 MAX_NAME = 63
+# --workers at most this many per core the process may use: the supervisor
+# starts every worker at once, each a whole interpreter (about 65 MB), and
+# beyond the cores they only take turns (trial 90: `--workers 100000` on 2
+# cores forked until the host stalled, its other proxies' workers killed as
+# hung; 10^20 was killed for its memory before it had started one).
+MAX_WORKERS_PER_CORE = 4
 # --worker-hang-timeout at least (0: off).
 MIN_HANG_TIMEOUT_S = 5.0
 # --stream-hold-seconds: with a keep-alive every 5 s after it
@@ -542,7 +548,8 @@ def parse(argv: list[str]) -> Settings:
         help="processes serving --listen together (SO_REUSEPORT), each its own proxy "
         "NAME-wI to the control plane, under one supervisor, which restarts them one at "
         "a time on SIGHUP (to read certificates, the GeoIP database and code again); 1 "
-        "runs a single process (default: the cores this process may use)",
+        "runs a single process; more than the cores is warned of, more than "
+        f"{MAX_WORKERS_PER_CORE} per core refused (default: the cores this process may use)",
     )
     p.add_argument(
         "--worker-hang-timeout",
@@ -766,9 +773,18 @@ def parse(argv: list[str]) -> Settings:
     for address in addresses:
         if why := port_missing(address):
             p.error(f"--control-plane: {why}")
-    workers = available_cores() if a.workers is None else a.workers
+    cores = available_cores()
+    workers = cores if a.workers is None else a.workers
     if workers < 1:
         p.error("--workers must be at least 1")
+    # A worker's own command line is its supervisor's, checked there already:
+    # an affinity narrowed since must not stop it from coming back.
+    if workers > MAX_WORKERS_PER_CORE * cores and a.worker_index is None:
+        p.error(
+            f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core this process "
+            f"may use ({cores}: at most {MAX_WORKERS_PER_CORE * cores}); each worker is a "
+            "process of its own, started together, and beyond the cores they only take turns"
+        )
     slot = None
     hidden = (a.worker_index, a.run_dir, a.lifeline_fd)
     if any(v is not None for v in hidden):

@@ -60,6 +60,23 @@ def test_workers_default_to_the_usable_cores_and_refuse_less_than_one(
         assert "--workers must be at least 1" in capsys.readouterr().err
 
 
+def test_more_workers_than_four_a_core_are_refused_before_any_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 90: `--workers 100000` started interpreters until the host stalled."""
+    monkeypatch.setattr("dataplane.settings.available_cores", lambda: 2)
+    assert parse([*BASE, "--workers", "8"]).workers == 8
+    for bad in ("9", "100000", str(10**20)):
+        with pytest.raises(SystemExit) as exc:
+            parse([*BASE, "--workers", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--workers {bad} is more than 4 per core this process may use (2: at most 8)" in err
+    # A worker whose cores were narrowed since its supervisor checked still starts.
+    hidden = ["--worker-index", "8", "--run-dir", "/tmp", "--lifeline-fd", "3"]
+    assert parse([*BASE, "--workers", "9", *hidden]).workers == 9
+
+
 def test_worker_flags_are_hidden_and_all_or_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse([*BASE, "--help"])
