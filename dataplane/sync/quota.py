@@ -383,6 +383,16 @@ class QuotaState:
         }
         return {scope: s for scope, s in saved.items() if s.day >= since}, owed, carried
 
+    def _saved_proxy(self) -> str | None:
+        """The proxy whose counts are saved in the state directory; None if
+        there are none, or they are damaged (_saved_counts says so)."""
+        assert self._state_dir is not None
+        try:
+            proxy = orjson.loads((self._state_dir / COUNTS_FILE).read_bytes())["proxy"]
+        except Exception:  # missing or damaged: no one's
+            return None
+        return proxy if isinstance(proxy, str) else None
+
     def _owe(self, owed: dict[str, tuple[float, float]]) -> None:
         if owed:
             self._limiter.owe(owed, self._clock())
@@ -442,10 +452,22 @@ class QuotaState:
             )
         elif not holds and not self._lock_failed:
             self._owes_on_lock = True
-            log.info(
-                "another process of this proxy holds its budget counts (a reload): "
-                "this one counts its own from nothing"
-            )
+            holder = self._saved_proxy()
+            if holder is not None and holder != self._proxy:
+                # Not a reload: another proxy saves here, and each would take
+                # the other's saved table and shares (trial 90).
+                log.warning(
+                    "--state-dir %s is in use by proxy %s, which holds its budget counts: "
+                    "give each proxy a directory of its own; this one counts its own "
+                    "from nothing",
+                    self._state_dir,
+                    holder,
+                )
+            else:
+                log.info(
+                    "another process of this proxy holds its budget counts (a reload): "
+                    "this one counts its own from nothing"
+                )
         # A restart does not forgive what its buckets owed; nor a reload,
         # whose old process, still running, owes it too: owed twice for the
         # moment both run, which admits less, never more.

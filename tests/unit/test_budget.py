@@ -791,6 +791,30 @@ def test_during_a_reload_the_new_process_counts_its_own(tmp_path: Path) -> None:
     new_state.close()
 
 
+def test_a_state_dir_another_proxy_holds_is_warned_of_not_taken_for_a_reload(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 90: a second proxy given the first one's --state-dir was told
+    "another process of this proxy holds its budget counts (a reload)"."""
+    old, old_state = proxy_process(tmp_path, epoch=7.0)
+    old.admit([SCOPE], 300, 1.0, most=0)
+    old_state.save_counts()
+    with caplog.at_level(logging.INFO, logger="dataplane.sync.quota"):
+        reload, reload_state = proxy_process(tmp_path, epoch=8.0)
+        other, other_state = proxy_process(tmp_path, epoch=9.0, name="p2")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "holds" in r.getMessage()]
+    assert said == [
+        (logging.INFO, "another process of this proxy holds its budget counts (a reload): "
+                       "this one counts its own from nothing"),
+        (logging.WARNING, f"--state-dir {tmp_path} is in use by proxy p1, which holds its "
+                          "budget counts: give each proxy a directory of its own; this one "
+                          "counts its own from nothing"),
+    ]  # fmt: skip
+    assert other.counts() == {} == reload.counts()
+    for state in (old_state, reload_state, other_state):
+        state.close()
+
+
 def test_a_scope_the_first_table_lacks_takes_its_counts_when_it_comes(tmp_path: Path) -> None:
     saved_counts(tmp_path, "p1", {SCOPE: [7.0, DAY, 600, 600]})
     limiter, state = proxy_process(tmp_path, epoch=9.0, limits={"t/other": BUDGET})
