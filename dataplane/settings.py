@@ -180,12 +180,35 @@ def _unwritable(folder: Path) -> str:
     return ""
 
 
-def available_cores() -> int:
-    """Cores this process may run on. A container's CPU quota is not seen here,
-    which is why the Helm chart passes --workers from the CPU limit."""
+# A container's own CPU quota under cgroup v2 (with a cgroup namespace, Docker's
+# and containerd's default there: its root is the container's cgroup).
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def quota_cores(cpu_max: str) -> int | None:
+    """The whole cores a cgroup v2 `cpu.max` ("QUOTA PERIOD", microseconds)
+    allows, at least 1, as the Helm chart counts a CPU limit ("1500m": 1);
+    None for no quota ("max PERIOD") or a text not of that form."""
+    parts = cpu_max.split()
+    if len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[1]) == 0:
+        return None
+    return max(1, int(parts[0]) // int(parts[1]))
+
+
+def available_cores(cpu_max: Path = CPU_MAX) -> int:
+    """Cores this process may run on, capped by its container's CPU quota
+    where cgroup v2 shows it (`docker run --cpus 2` on a 64-core host: 2, not
+    64 workers each needing a core and its memory). cgroup v1 is not read;
+    the Helm chart passes --workers from the CPU limit whatever the node."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1  # macOS has no affinity call
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1  # macOS has no affinity call
+    try:
+        quota = quota_cores(cpu_max.read_text())
+    except OSError:  # no cgroup v2 here, or no quota file at its root
+        return cores
+    return cores if quota is None else min(cores, quota)
 
 
 def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:

@@ -36,7 +36,7 @@ from dataplane.http.errors import ApiError
 from dataplane.http.requestid import RequestIds
 from dataplane.http.state import DRAINING, METRICS, REQUEST_IDS, Draining
 from dataplane.metrics import Metrics
-from dataplane.settings import WorkerSlot, as_worker, available_cores, parse
+from dataplane.settings import WorkerSlot, as_worker, available_cores, parse, quota_cores
 from dataplane.stopsignals import HELD_SIGNALS, LEAVE_SIGNAL
 from dataplane.streaming.usage import Usage
 from dataplane.supervisor import Group
@@ -58,6 +58,23 @@ def test_workers_default_to_the_usable_cores_and_refuse_less_than_one(
             parse([*BASE, "--workers", bad])
         assert exc.value.code == 2
         assert "--workers must be at least 1" in capsys.readouterr().err
+
+
+def test_the_default_keeps_to_a_containers_cpu_quota(tmp_path: Path) -> None:
+    """`docker run --cpus 2` on a many-core host would start a worker a host
+    core, each wanting a core and its memory, where the chart gives 2 (trial
+    90, from the code: the sandbox has cgroup v1 and no container to run)."""
+    assert [quota_cores(t) for t in ("200000 100000\n", "150000 100000", "50000 100000",
+                                     "max 100000\n", "", "1 0", "-1 100000", "x y")] == [
+        2, 1, 1, None, None, None, None, None]  # fmt: skip
+    cpu_max, cores = tmp_path / "cpu.max", len(os.sched_getaffinity(0))
+    assert available_cores(cpu_max) == cores  # no file: the cores alone
+    cpu_max.write_text("max 100000\n")
+    assert available_cores(cpu_max) == cores
+    cpu_max.write_text("100000 100000\n")
+    assert available_cores(cpu_max) == 1
+    cpu_max.write_text(f"{100000 * 10_000} 100000\n")  # more than the host has
+    assert available_cores(cpu_max) == cores
 
 
 def test_more_workers_than_four_a_core_are_refused_before_any_starts(
