@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.compare_table import Phase, aims, build_table, goals
+from bench.compare_table import Phase, aims, build_table, goals, scaling_table
 
 
 def wrk_result(throughput: float, us: float, busy: float) -> dict[str, Any]:
@@ -123,3 +123,25 @@ def test_without_the_seat_origin_a_hit_is_timed_against_direct() -> None:
     verdict = aim(aims({"cache-hit": hit}, None, features="auth-limits-cache", workers=None),
                   "exact-cache hit answered faster")  # fmt: skip
     assert verdict["value"] == 1.54 and "CPU 0" not in verdict["goal"]
+
+
+def test_the_workers_phase_projects_a_cpu_for_each_worker() -> None:
+    """Beside the measured ratio (bounded by what wrk and the origin leave of
+    the CPUs), the projection: the workers times the group's answers per proxy
+    CPU-second, over one worker's; judged as the measured one is."""
+    scaling = Phase("scaling", "wrk", False, None, {
+        "ponto-1": {**wrk_result(5906, 168, 0.99), "per_core": 6000},
+        "ponto-2": {**wrk_result(8752, 178, 1.56), "per_core": 5600},
+    })  # fmt: skip
+    table = scaling_table(scaling, 2)
+    assert table is not None
+    rows = {row[0].strip(): row[1:] for row in table.rows}
+    assert rows["max rate, wrk closed loop (req/s)"] == ["5,906", "8,752", "1.48x"]
+    assert rows["req/s per core of the server"] == ["6,000", "5,600", "0.93x"]
+    projected = "projected, a CPU of its own for each worker (req/s per core x workers)"
+    assert rows[projected] == ["6,000", "11,200", "1.87x"]
+    verdicts = aims({"scaling": scaling}, None, features="auth-limits-cache", workers=2)
+    measured = aim(verdicts, "--workers 2 on 2 CPUs")
+    assert (measured["value"], measured["pass"]) == (1.48, False)
+    projection = aim(verdicts, "--workers 2 projected on a CPU of its own")
+    assert (projection["value"], projection["pass"]) == (1.87, True)
