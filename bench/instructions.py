@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.instructions [--warmup 300] [--requests 1000]
         [--targets passthrough,defaults,features] [--keep DIR] [--top 0]
-        [--stream-tokens 16,64] [--report-interval-ms 600000]
+        [--stream-tokens 16,64] [--report-interval-ms 600000] [--workers 1]
 
 Why: CPU time per request (bench/compare.py) moves by 10-20 % from run to run
 on a shared two-CPU machine; the number of instructions a server executes for
@@ -90,6 +90,20 @@ re-framing), not per read (a wake-up, a read and a write each, which the
 pass-through pays as well). In stream mode `--warmup` defaults to 100 and
 `--requests` to 300.
 
+Workers (`--workers N`, N > 1): the Ponto targets run as `ponto-proxy
+--workers N` groups, their supervisor and every worker under callgrind
+(valgrind follows the supervisor's exec and the workers it starts), each
+process counted and shown on a line of its own, the figure their sum. One
+connection lands on one worker; the others and the supervisor count what
+a group does beside the requests (a worker's own clock, the supervisor's
+watchdog: a /healthz of each worker every 2.5 s, so their idle rates are
+lumpy over a short --idle; the serving worker's line is the figure to hold
+against `--workers 1`'s). The difference is the per-request work that
+exists only in a group. Between the last request
+before the idle count and the first counted one, the kept-alive connection
+waits the idle seconds and the vgdb calls (to every process at once): on a
+loaded machine --idle 5 leaves it within the proxy's keep-alive timeout.
+
 Bounded in time: valgrind runs Python some 50x slower, and the defaults take
 about 3 minutes on a quiet machine (three start-ups, 3 x 10 s idle, 3 x 1,300
 requests); stream mode with 16,64 about 4 minutes. Needs valgrind (Debian
@@ -107,7 +121,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +134,7 @@ from bench.compare import (
     Header,
     configure_ponto_features,
 )
-from bench.procs import affinity, cpus_available, pin_tree
+from bench.procs import affinity, cpus_available, pin_tree, process_tree
 from dataplane.http.edge import EdgeLimits
 from ponto.devenv import Managed, python_entry, spawn
 from ponto.fleet import Fleet, RegionDef
@@ -158,22 +172,73 @@ class Count:
         return (self.instructions - self.idle_per_s * self.seconds) / self.requests
 
 
-def callgrind(out: Path) -> list[str]:
-    """The launcher that runs a server under callgrind, collecting nothing until told."""
+def callgrind(out: Path, children: bool = False) -> list[str]:
+    """The launcher that runs a server under callgrind, collecting nothing until told.
+    With `children`, every process it execs or starts runs under callgrind too,
+    each writing its own file (process_out)."""
+    traced = ["--trace-children=yes"] if children else []
     return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--vgdb=yes",
-            f"--vgdb-prefix={out.parent / out.stem}-vgdb",
-            f"--callgrind-out-file={out}", "--quiet"]  # fmt: skip
+            f"--vgdb-prefix={out.parent / out.stem}-vgdb", *traced,
+            f"--callgrind-out-file={process_out(out, '%p') if children else out}",
+            "--quiet"]  # fmt: skip
 
 
-def monitor(out: Path, pid: int, command: str) -> None:
-    """Send a callgrind monitor command (instrumentation on|off, dump) to `pid`.
+def process_out(out: Path, pid: int | str) -> Path:
+    """The callgrind file of process `pid` of a group launched with children traced."""
+    return out.parent / f"{out.stem}-{pid}.out"
+
+
+def role(pid: int) -> str:
+    """What process `pid` of a proxy group is: "worker I", "supervisor" or "other"."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "other"
+    if b"--worker-index" in argv:
+        return f"worker {argv[argv.index(b'--worker-index') + 1].decode()}"
+    return "supervisor" if b"dataplane.supervisor" in argv else "other"
+
+
+def group_outs(out: Path, pid: int, workers: int) -> dict[int, Path]:
+    """The callgrind file of each process to count: `pid`'s own (`out`) for a
+    lone server; for a group of `workers` workers (traced children), its
+    supervisor's (`pid`: the same after its exec) and each worker's."""
+    if workers <= 1:
+        return {pid: out}
+
+    def group() -> list[int]:
+        # The supervisor and its workers: a worker also runs `git` once as it starts.
+        return [p for p in process_tree(pid) if p == pid or role(p).startswith("worker")]
+
+    deadline = time.monotonic() + READY_S
+    while len(found := group()) < 1 + workers and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if len(found) != 1 + workers:
+        raise RuntimeError(f"group {pid}: {len(found) - 1} workers, not {workers}")
+    return {p: process_out(out, p) for p in found}
+
+
+def monitor(out: Path, pids: Iterable[int], command: str) -> None:
+    """Send a callgrind monitor command (instrumentation on|off, dump) to each
+    of `pids`, all at once (a group's processes, whose idle kept-alive
+    connection must not wait for them in turn).
 
     vgdb reaches a process blocked in a system call too (it interrupts it with
     ptrace when it does not answer within --max-invoke-ms)."""
-    argv = ["vgdb", f"--vgdb-prefix={out.parent / out.stem}-vgdb", f"--pid={pid}", command]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"vgdb {command}: {done.returncode}: {done.stdout}{done.stderr}")
+    prefix = f"--vgdb-prefix={out.parent / out.stem}-vgdb"
+    running = [
+        subprocess.Popen(
+            ["vgdb", prefix, f"--pid={pid}", command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in pids
+    ]
+    for done in running:
+        said, _ = done.communicate(timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"vgdb {command}: {done.returncode}: {said}")
 
 
 def total_instructions(path: Path) -> int:
@@ -267,8 +332,15 @@ def count(
 ) -> list[Count]:
     """Warm `server` up, count `args.requests` requests in each of `windows`
     (the first's warm-up before the idle count, the others' just before
-    their own window), stop it; see the module docstring."""
-    pid = server.proc.pid
+    their own window), stop it; see the module docstring. A Ponto target of
+    `args.workers` > 1 is counted over every process of its group."""
+    workers = 1 if name == "passthrough" else args.workers
+    outs = group_outs(out, server.proc.pid, workers)
+    roles = {pid: role(pid) for pid in outs}  # read while the processes run
+
+    def tell(command: str) -> None:
+        monitor(out, outs, command)
+
     client = Client(windows[0].url, headers, windows[0].body)
     index = 0  # each request's own prompt, across windows
 
@@ -287,32 +359,42 @@ def count(
                 index = 1
                 send(window.warmup - 1)
                 if args.idle:
-                    monitor(out, pid, "instrumentation on")
+                    tell("instrumentation on")
                     time.sleep(args.idle)
-                    monitor(out, pid, "instrumentation off")
-                    monitor(out, pid, "dump idle")
-                    monitor(out, pid, "zero")
+                    tell("instrumentation off")
+                    tell("dump idle")
+                    tell("zero")
             else:
                 send(window.warmup)
-                monitor(out, pid, "zero")  # the warm-up's, counted with instrumentation off
-            monitor(out, pid, "instrumentation on")
+                tell("zero")  # the warm-up's, counted with instrumentation off
+            tell("instrumentation on")
             started = time.monotonic()
             send(args.requests)
             windows_s.append(time.monotonic() - started)
-            monitor(out, pid, "instrumentation off")
-            monitor(out, pid, f"dump counted-{n}")
+            tell("instrumentation off")
+            tell(f"dump counted-{n}")
     finally:
         client.close()
         server.stop()
-    files = dumps(out)
-    idle_per_s = total_instructions(files[0]) / args.idle if args.idle else 0.0
-    counted = files[-len(windows) :]
+    # Per process: its idle dump (with --idle), then one a window.
+    totals = {pid: [total_instructions(f) for f in dumps(path)] for pid, path in outs.items()}
+    idle_per_s = sum(t[0] for t in totals.values()) / args.idle if args.idle else 0.0
+    counted = [sum(t[-len(windows) + i] for t in totals.values()) for i in range(len(windows))]
     seconds = ", ".join(f"{s:.1f}" for s in windows_s)
     print(f"{name}: {idle_per_s:,.0f} idle instructions a second; counted windows {seconds} s",
           file=sys.stderr)  # fmt: skip
+    if len(outs) > 1:  # each process's share of a request, less its own idle rate
+        for pid, t in totals.items():
+            idle = t[0] / args.idle if args.idle else 0.0
+            shares = ", ".join(
+                f"{(c - idle * s) / args.requests:,.0f} ({c / args.requests:,.0f} raw)"
+                for c, s in zip(t[-len(windows) :], windows_s, strict=True)
+            )
+            print(f"  {name} {roles.get(pid, pid)}: {idle:,.0f} idle a second; {shares} "
+                  "instructions a request", file=sys.stderr)  # fmt: skip
     return [
-        Count(name, args.requests, total_instructions(f), s, idle_per_s, w.tokens)
-        for f, s, w in zip(counted, windows_s, windows, strict=True)
+        Count(name, args.requests, c, s, idle_per_s, w.tokens)
+        for c, s, w in zip(counted, windows_s, windows, strict=True)
     ]
 
 
@@ -333,16 +415,23 @@ def start_passthrough(fleet: Fleet, origin: str, out: Path) -> Managed:
 
 
 def start_proxy(
-    fleet: Fleet, name: str, out: Path, origins: int = 1, report_ms: int = REPORT_MS
+    fleet: Fleet,
+    name: str,
+    out: Path,
+    origins: int = 1,
+    report_ms: int = REPORT_MS,
+    workers: int = 1,
 ) -> Managed:
-    """ponto-proxy `name` under callgrind, one worker, alone on SERVER_CPU, serving
-    the control plane's current table, reporting demand every `report_ms`."""
+    """ponto-proxy `name` under callgrind, `workers` workers (its supervisor and
+    workers each under callgrind when more than one), alone on SERVER_CPU,
+    serving the control plane's current table, reporting demand every `report_ms`."""
     with affinity({SERVER_CPU}):
         proxy = fleet.start_proxy(
             name,
             "local",
-            extra=[*PONTO_ARGS, "--workers", "1", "--report-interval-ms", str(report_ms)],
-            launcher=callgrind(out),
+            workers=workers,
+            extra=[*PONTO_ARGS, "--report-interval-ms", str(report_ms)],
+            launcher=callgrind(out, children=workers > 1),
             ready_timeout=READY_S,
         )
     pin_tree(proxy.proc.pid, {SERVER_CPU})
@@ -387,7 +476,9 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Count]:
                     headers: Header = ()
                 else:
                     origins = 1 + len(streams)
-                    server = start_proxy(fleet, f"proxy-{name}", out, origins, args.report_ms)
+                    server = start_proxy(
+                        fleet, f"proxy-{name}", out, origins, args.report_ms, args.workers
+                    )
                     headers = ()
                     if name == "features":  # after the start: see the module
                         headers, _ = configure_ponto_features(fleet, "auth-limits-cache")
@@ -402,8 +493,10 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Count]:
 
 
 def annotate(out: Path, top: int) -> str:
-    """The `top` costliest functions of the counted dump of `out`, inclusive."""
-    dump = dumps(out)[-1]
+    """The `top` costliest functions of the counted dump of `out`, inclusive
+    (of a group's, the process that executed the most)."""
+    files = [dumps(out)] + [dumps(f) for f in out.parent.glob(f"{out.stem}-*.out")]
+    dump = max((f[-1] for f in files if f), key=total_instructions)
     done = subprocess.run(
         ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dump)],
         capture_output=True,
@@ -482,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-interval-ms", dest="report_ms", type=int, default=REPORT_MS,
                         help="the Ponto targets' demand reports (default %(default)s: none in a "
                         "run; 1000 is the proxy's default)")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1,
+                        help="the Ponto targets' --workers (default 1); with more, every "
+                        "process of the group is counted, each shown on its own line")  # fmt: skip
     parser.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
     parser.add_argument("--top", type=int, default=0, help="print N costliest functions")
     args = parser.parse_args(argv)
@@ -502,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         args.requests = 300 if args.stream_tokens else 1000
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     if args.idle >= KEEPALIVE_S:
         # The proxy would close the idle connection, and the first counted
         # request fail with a broken pipe (--idle 20 did).

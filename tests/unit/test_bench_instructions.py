@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from bench import canned
-from bench.instructions import Count, dumps, per_event, report, stream_body, total_instructions
+from bench.instructions import (
+    Count,
+    callgrind,
+    dumps,
+    per_event,
+    process_out,
+    report,
+    role,
+    stream_body,
+    total_instructions,
+)
 
 # The shape callgrind 3.19 writes when instrumentation started off: a summary of 0
 # in the header and the real total at the end.
@@ -90,3 +101,22 @@ def test_a_stream_request_names_its_size_and_asks_for_a_stream() -> None:
     assert body["model"] == canned.stream_model(64)
     assert body["stream"] is True and body["max_tokens"] == 64
     assert body["messages"][-1]["content"].endswith("7")
+
+
+def test_a_group_is_launched_with_its_children_each_to_a_file_of_its_own(tmp_path: Path) -> None:
+    """--workers N: valgrind follows the supervisor's exec and its workers, and
+    each process writes the file process_out names for its pid (%p)."""
+    out = tmp_path / "defaults.out"
+    lone, group = callgrind(out), callgrind(out, children=True)
+    assert "--trace-children=yes" not in lone and f"--callgrind-out-file={out}" in lone
+    assert "--trace-children=yes" in group
+    assert f"--callgrind-out-file={tmp_path / 'defaults-%p.out'}" in group
+    assert process_out(out, 42) == tmp_path / "defaults-42.out"
+    # The vgdb prefix is the group's, whatever the process: monitor asks each by pid.
+    assert [a for a in lone if a.startswith("--vgdb-prefix")] == [
+        a for a in group if a.startswith("--vgdb-prefix")
+    ]
+
+
+def test_a_process_outside_a_proxy_group_is_neither_worker_nor_supervisor() -> None:
+    assert role(os.getpid()) == "other"
