@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 
 from dataplane import jsonio
+from dataplane.http.dispatch import for_routes
 from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
 from dataplane.settings import Settings, WorkerSlot
@@ -288,7 +289,9 @@ def group_views(
         answer.headers.update(me)
         return answer
 
-    return middleware
+    # Out of the proxied routes' chains (dispatch.FixedRoutes): a frame each
+    # request would pass through, in a group only.
+    return for_routes(middleware, (METRICS_ROUTE, READY_ROUTE))
 
 
 async def start_sites(

@@ -8,7 +8,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.typedefs import Middleware
 
-from dataplane.http.dispatch import FixedRoutes, with_direct
+from dataplane.http.dispatch import FixedRoutes, for_routes, with_direct
 
 Seen = list[tuple[str, str]]
 
@@ -124,3 +124,33 @@ async def test_a_handler_with_a_direct_function_is_called_through_it() -> None:
     response = await fixed(make_mocked_request("POST", "/v1/chat/completions", app=app))
     assert isinstance(response, web.Response) and response.text == "handler"
     assert seen == [("middleware", "chat"), ("direct", "POST"), ("handler", "POST")]
+
+
+async def test_a_middleware_for_some_routes_is_in_their_chains_alone() -> None:
+    """A middleware marked with for_routes wraps the routes it names, not the
+    others (each of which it would only pass on, a frame more a request);
+    an unmarked one wraps every route, as before, and both stay in order."""
+    seen: Seen = []
+    app = web.Application(middlewares=[boundary_into(seen)])
+
+    @web.middleware
+    async def views(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        seen.append(("views", request.match_info.route.name or ""))
+        return await handler(request)
+
+    async def ok(request: web.Request) -> web.Response:
+        seen.append(("handler", request.match_info.route.name or ""))
+        return web.Response(text="ok")
+
+    app.middlewares.append(for_routes(views, ("metrics",)))
+    app.router.add_post("/v1/chat/completions", ok, name="chat.completions")
+    app.router.add_get("/metrics", ok, name="metrics")
+    app.freeze()
+    fixed = FixedRoutes(app, fallback_into(seen))
+    await fixed(make_mocked_request("POST", "/v1/chat/completions", app=app))
+    assert seen == [("middleware", "chat.completions"), ("handler", "chat.completions")]
+    seen.clear()
+    await fixed(make_mocked_request("GET", "/metrics", app=app))
+    assert seen == [("middleware", "metrics"), ("views", "metrics"), ("handler", "metrics")]

@@ -22,15 +22,19 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, cast
+from unittest import mock
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client.parser import text_string_to_metric_families
 
 from dataplane import supervisor, workers
 from dataplane.http.boundary import error_boundary
+from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.endpoints import metrics
 from dataplane.http.errors import ApiError
 from dataplane.http.requestid import RequestIds
@@ -1049,6 +1053,40 @@ async def test_every_other_route_passes_through(tmp_path: Path) -> None:
             assert "x-ponto-worker" not in r.headers
     finally:
         await runner.cleanup()
+
+
+async def test_a_proxied_request_on_the_edge_passes_no_frame_of_the_groups_views(
+    tmp_path: Path,
+) -> None:
+    """On the edge's dispatch (FixedRoutes) the group's views wrap /metrics and
+    /readyz alone: any other request would only be passed on, through a frame
+    of their own (some 900 instructions each wait), in a group only."""
+    frames: dict[str, list[str]] = {}
+
+    async def ok(request: web.Request) -> web.Response:
+        frame: FrameType | None = sys._getframe()
+        seen = []
+        while frame is not None:
+            seen.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        frames[request.match_info.route.name or ""] = seen
+        return web.Response(text="ok")
+
+    async def fallback(request: web.BaseRequest) -> web.StreamResponse:
+        raise AssertionError(f"{request.path}: not a fixed route")
+
+    app = web.Application()
+    app.middlewares.append(workers.group_views(WorkerSlot(0, tmp_path, -1), 2))
+    for path, name in (("/v1/chat/completions", "chat"), ("/readyz", workers.READY_ROUTE)):
+        app.router.add_get(path, ok, name=name)
+    app.freeze()
+    fixed = FixedRoutes(app, fallback)
+    for path in ("/v1/chat/completions", "/readyz"):
+        transport = mock.Mock(get_extra_info=lambda *_: None)  # over TCP, not a sibling's
+        response = await fixed(make_mocked_request("GET", path, app=app, transport=transport))
+        assert response.status == 200
+    assert workers.__file__ in frames[workers.READY_ROUTE]  # sibling 1 asked, none there
+    assert workers.__file__ not in frames["chat"]
 
 
 def test_the_supervisor_imports_the_standard_library_alone() -> None:
