@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import canned, litellm_env, wrk
 from bench.compare_table import (
@@ -192,6 +193,7 @@ HIT_BODY = BODY.replace(b"{i}", b"asked again and again")
 # worker with a small cache (issue 17: one worker < 80 MB with 32 MB of cache).
 CACHE_MAX_MB = 32
 PONTO_ARGS = ("--log-level", "WARNING", "--cache-max-mb", str(CACHE_MAX_MB))
+CHAT = "chat.completions"  # the endpoint label of Ponto's chat completions in its metrics
 OVERLOAD = 1.5  # an open-loop rate over 1.5x a target's closed-loop max gets a short probe
 PROBE_S = 2.0  # duration and timeout of such a probe
 MAX_OPEN_S = 30.0  # ... but no open-loop run lasts longer than this
@@ -807,7 +809,39 @@ def scaling(
                   fleet.proxy_url("proxy-n") + "/chat/completions", group.proc.pid,
                   ponto.headers)  # fmt: skip
     check_until_ok(many, body=CANNED_BODY)
-    return wrk_phase("scaling", [one, many], origin.pid, plan, frozenset(every), body=CANNED_BODY)
+    before = worker_answers(group.address)
+    phase = wrk_phase("scaling", [one, many], origin.pid, plan, frozenset(every), body=CANNED_BODY)
+    after = worker_answers(group.address)
+    if many.key in phase.results and after:
+        # How the kernel spread wrk's connections (SO_REUSEPORT hashes each
+        # one to a worker): the warm-ups' answers are in it too.
+        phase.results[many.key]["worker_answers"] = {
+            w: n - before.get(w, 0.0) for w, n in sorted(after.items())
+        }
+    return phase
+
+
+def worker_answers(address: str) -> dict[str, float]:
+    """Chat completions each worker of the group at `address` has answered,
+    by its index (the group's /metrics, ponto_requests_total); {} if it does
+    not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            return answers_by_worker(resp.read().decode())
+    except OSError:
+        return {}
+
+
+def answers_by_worker(exposition: str) -> dict[str, float]:
+    """ponto_requests_total of chat completions in a group's /metrics, summed
+    over status codes, by the `worker` label."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "ponto_requests_total" and labels.get("endpoint") == CHAT:
+                found[labels["worker"]] = found.get(labels["worker"], 0.0) + sample.value
+    return found
 
 
 # ---------------------------------------------------------------- main

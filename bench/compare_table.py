@@ -370,6 +370,11 @@ def scaling_table(phase: Phase | None, workers: int) -> Table | None:
     ):
         a, b = get(phase, one, *path), get(phase, many, *path)
         table.add(label, fmt(a, digits), fmt(b, digits), over_floor(ratio(b, a)))
+    answers = phase.results.get(many, {}).get("worker_answers") or {}
+    total = sum(answers.values())
+    if total > 0:
+        shares = " / ".join(f"{n / total:.0%}" for n in answers.values())
+        table.add("  answers of each worker", "-", shares, "")
     a, b = scaled_rates(phase, workers)
     table.add(
         "projected, a CPU of its own for each worker (req/s per core x workers)",

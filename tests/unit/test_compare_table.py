@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.compare import answers_by_worker
 from bench.compare_table import Phase, aims, build_table, goals, scaling_table
 
 
@@ -131,13 +132,15 @@ def test_the_workers_phase_projects_a_cpu_for_each_worker() -> None:
     CPU-second, over one worker's; judged as the measured one is."""
     scaling = Phase("scaling", "wrk", False, None, {
         "ponto-1": {**wrk_result(5906, 168, 0.99), "per_core": 6000},
-        "ponto-2": {**wrk_result(8752, 178, 1.56), "per_core": 5600},
+        "ponto-2": {**wrk_result(8752, 178, 1.56), "per_core": 5600,
+                    "worker_answers": {"0": 60_000, "1": 40_000}},
     })  # fmt: skip
     table = scaling_table(scaling, 2)
     assert table is not None
     rows = {row[0].strip(): row[1:] for row in table.rows}
     assert rows["max rate, wrk closed loop (req/s)"] == ["5,906", "8,752", "1.48x"]
     assert rows["req/s per core of the server"] == ["6,000", "5,600", "0.93x"]
+    assert rows["answers of each worker"] == ["-", "60% / 40%", ""]
     projected = "projected, a CPU of its own for each worker (req/s per core x workers)"
     assert rows[projected] == ["6,000", "11,200", "1.87x"]
     verdicts = aims({"scaling": scaling}, None, features="auth-limits-cache", workers=2)
@@ -145,3 +148,18 @@ def test_the_workers_phase_projects_a_cpu_for_each_worker() -> None:
     assert (measured["value"], measured["pass"]) == (1.48, False)
     projection = aim(verdicts, "--workers 2 projected on a CPU of its own")
     assert (projection["value"], projection["pass"]) == (1.87, True)
+
+
+def test_a_groups_chat_answers_are_counted_by_worker() -> None:
+    """bench.compare reads how the kernel spread the workers phase's load from
+    the group's merged /metrics: chat completions of every status, by worker."""
+    exposition = "\n".join([
+        "# HELP ponto_requests_total Requests answered, by endpoint and status code",
+        "# TYPE ponto_requests_total counter",
+        'ponto_requests_total{worker="0",endpoint="chat.completions",code="200"} 600.0',
+        'ponto_requests_total{worker="0",endpoint="chat.completions",code="429"} 5.0',
+        'ponto_requests_total{worker="0",endpoint="metrics",code="200"} 3.0',
+        'ponto_requests_total{worker="1",endpoint="chat.completions",code="200"} 400.0',
+        "",
+    ])  # fmt: skip
+    assert answers_by_worker(exposition) == {"0": 605.0, "1": 400.0}
