@@ -12,7 +12,9 @@ keep-alive connections against two endpoints:
   that runs in one process and so stays on one core whatever the workers.
 
 Prints requests/s of each (the median over the rounds), the cores the proxy's
-processes kept busy meanwhile (from /proc), and the ratio. Every
+processes kept busy meanwhile (from /proc), and the ratio; then the rate per
+busy core of the proxy, and what it projects for a core of its own for each
+worker (2 x the group's rate per core over one worker's). Every
 process here, wrk and the origin included, shares the machine's cores with the
 workers, so on a 2-core machine the ratio is what is left for a second worker,
 not what a second dedicated core would give.
@@ -145,6 +147,12 @@ def main() -> int:
         )  # fmt: skip
         print(f"  {label}: 1 worker {one:,.0f} req/s ({c1:.2f} cores busy), 2 workers "
               f"{two:,.0f} req/s ({c2:.2f} cores busy): ratio {two / one:.2f}x")  # fmt: skip
+        if c1 > 0 and c2 > 0:
+            # What a core of its own for each worker would give (bench.compare_table.
+            # scaled_rates): 2 x the group's rate per busy core, over one worker's.
+            alone, group = one / c1, two / c2
+            print(f"    req/s per busy core of the proxy: {alone:,.0f} and {group:,.0f}; "
+                  f"projected, a core for each worker: {2 * group / alone:.2f}x")  # fmt: skip
     return 0
 
 
