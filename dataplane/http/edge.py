@@ -47,9 +47,12 @@ the status it would have had (408, 503).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import resource
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -111,6 +114,10 @@ MAX_HEAD: Final = 32 * 1024
 # their head deadline) must not overflow it: a dropped SYN costs a normal
 # client a 1 s retransmission.
 LISTEN_BACKLOG: Final = 4096
+
+# SO_LINGER on, for 0 s: close() resets the connection and drops its unsent
+# bytes (struct linger: two C ints).
+_RESET: Final = struct.pack("ii", 1, 0)
 
 log = logging.getLogger(__name__)
 
@@ -439,12 +446,20 @@ class EdgeProtocol(web_protocol.RequestHandler):
             waiter.set_result(None)
 
     def _send_stalled(self) -> None:
-        # Aborting (no lingering close with the unsent bytes) runs
-        # connection_lost, which cancels the handler (handler_cancellation)
-        # and wakes the write with the connection gone.
+        # Aborting runs connection_lost, which cancels the handler
+        # (handler_cancellation) and wakes the write with the connection gone.
+        # abort() drops only the transport's own buffer: the socket's, full
+        # (the kernel grows it to tcp_wmem's maximum, 4 MB by default, for a
+        # fast answer), would stay with the kernel in FIN-WAIT-1 for minutes,
+        # probing a zero window; a reset (SO_LINGER of 0) frees it at once
+        # and tells the client it was cut, not that its answer ended.
         self.send_stalled = True
         transport = self.transport
         if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             transport.abort()
 
     def evict(self) -> None:

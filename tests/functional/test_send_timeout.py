@@ -96,6 +96,33 @@ async def test_a_client_that_stops_reading_a_stream_is_cut(
     assert [(x["status"], x["error"]) for x in logged] == [(499, "send_timeout")]
 
 
+async def test_a_client_cut_for_not_reading_is_reset_its_unsent_bytes_dropped(
+    start: Start,
+) -> None:
+    """Trial 91: the cut closed the socket with its send buffer full (the
+    kernel grows it to 4 MB for a fast stream), which the kernel then kept in
+    FIN-WAIT-1 for minutes, probing the stalled client's zero window; the
+    client, reading again, got those megabytes and an ordinary end. Reset,
+    the kernel drops them at once and the client reads that it was cut."""
+    origin = Streaming()
+    edge = await start(origin, "--send-timeout=0.5")
+    reader, writer = await edge.connect(rcvbuf=4096)
+    try:
+        writer.write(request(STREAM))
+        assert b" 200 " in await reader.readuntil(b"\r\n\r\n")
+        async with asyncio.timeout(30):
+            while not count(edge, "499"):
+                await asyncio.sleep(0.02)
+        # What reached the client's own buffer before the cut, then the reset
+        # (a close would go on with the proxy's buffer, then end the stream).
+        with pytest.raises(ConnectionResetError):
+            async with asyncio.timeout(30):
+                while await reader.read(1 << 16):
+                    pass
+    finally:
+        writer.close()
+
+
 async def test_a_client_that_reads_slowly_gets_its_whole_stream(start: Start) -> None:
     origin = Streaming(chunks=64)  # some 256 KB, several times the buffers
     edge = await start(origin, "--send-timeout=2")
