@@ -42,6 +42,15 @@ class BodyTimeout(TimeoutError):
     """
 
 
+class OverFramed(Exception):
+    """A chunked request body's framing passed the edge's bound
+    (dataplane.http.edge.EdgeProtocol._over_framed): the rest is not read.
+
+    Set on the request's payload by dataplane.http.edge, so the handler's read
+    raises it.
+    """
+
+
 def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> bytes:
     """`raw` with its content codings undone, at most `limit` bytes.
 

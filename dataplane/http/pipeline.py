@@ -42,7 +42,7 @@ from dataplane.cache.keys import COSTLY_ABOVE, costly_to_normalise
 from dataplane.cache.step import CachePlan, CacheRequest, EdgeCache
 from dataplane.geo.home import ClientLocator
 from dataplane.http import reply
-from dataplane.http.body import BodyTimeout, decode_body
+from dataplane.http.body import BodyTimeout, OverFramed, decode_body
 from dataplane.http.boundary import CLIENT_GONE, gone_reason, hand_over, send_whole
 from dataplane.http.edge import EdgeProtocol, WholeAnswer, bare
 from dataplane.http.errors import (
@@ -1564,13 +1564,27 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
 
 
 # What reading a body may raise, each answered by `_unread`.
-_UNREAD: Final = (web.HTTPRequestEntityTooLarge, BodyTimeout, web.RequestPayloadError)
+_UNREAD: Final = (
+    web.HTTPRequestEntityTooLarge,
+    BodyTimeout,
+    OverFramed,
+    web.RequestPayloadError,
+)
 
 
 def _unread(exc: Exception, limit: int) -> ApiError:
     """The refusal of a body whose reading raised `exc` (one of _UNREAD)."""
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(limit)
+    if isinstance(exc, OverFramed):
+        # The rest of the body is not read: the connection closes after this.
+        return ApiError(
+            413,
+            "request body's chunked framing is larger than the body itself: "
+            "send it in bigger chunks",
+            code="body_too_large",
+            headers={"connection": "close"},
+        )
     if isinstance(exc, BodyTimeout):
         return ApiError(
             408,

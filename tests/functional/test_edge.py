@@ -121,6 +121,16 @@ async def read_answer(reader: Any) -> Answer:
     return Answer(int(status_line.split()[1]), headers, body, status_line)
 
 
+async def answer_or_reset(reader: Any) -> Answer | None:
+    """`read_answer`'s, or None when the proxy reset the connection first: it
+    closed with bytes of the client's unread (a client still sending a body
+    the proxy refused to read), and the reset may overtake its answer."""
+    try:
+        return await read_answer(reader)
+    except ConnectionResetError:
+        return None
+
+
 async def closed(reader: Any) -> bool:
     """True once the proxy has closed the connection (bounded wait)."""
     rest: bytes = await asyncio.wait_for(reader.read(), 10)
@@ -500,6 +510,86 @@ async def test_expect_100_continue_past_the_limit_with_the_body_already_sent_sti
     writer.close()
     await writer.wait_closed()
     assert (answer.status, answer.error()["code"]) == (413, "body_too_large")
+    assert edge.origin_requests() == 0
+
+
+async def test_chunk_extensions_past_the_framing_bound_get_a_413_and_reach_no_origin(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 91: aiohttp's parser skips a chunk's extensions unbounded and
+    counts them in no body, so 500 MB of them before a 65-byte body reached
+    the origin (Node's CVE-2024-22019). They are framing: cut once it passes
+    the body's own size and 64 KB."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    # With the 100 the handler is reading the body when the chunks come.
+    writer.write(head(CHAT, b"Transfer-Encoding: chunked", b"Expect: 100-continue", length=None))
+    assert (
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        == b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    chunks = b"1;" + b"x" * (1 << 20) + b"\r\n" + BODY[:1] + b"\r\n"
+    chunks += b"%x\r\n" % (len(BODY) - 1) + BODY[1:] + b"\r\n0\r\n\r\n"
+    writer.write(chunks)
+    answer = await answer_or_reset(reader)
+    writer.close()
+    if answer is not None:
+        assert (answer.status, answer.error()["code"]) == (413, "body_too_large")
+        assert answer.headers["connection"] == "close"
+        assert answer.headers["x-request-id"]
+    assert ["body_too_large" in r.getMessage() for r in refusal_records(caplog)] == [True]
+    assert edge.origin_requests() == 0
+
+
+@pytest.mark.parametrize(("size", "status"), [(9_000, 200), (30_000, 413)])
+async def test_a_body_framed_past_its_own_size_gets_a_413(
+    start_edge: Start, caplog: pytest.LogCaptureFixture, size: int, status: int
+) -> None:
+    """Trial 91: each chunk costs a pass through Python, so 15.6 MB of 1-byte
+    chunks held a worker for 1.7 s of CPU (read and dropped after a 401).
+    Framing may take the body's own size again and 64 KB: a small body
+    passes however chunked, 30 KB in 1-byte chunks (180 KB as sent, within
+    the bound on all of it) does not."""
+    edge = await start_edge()
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * (size - 60)}]}
+    ).encode()
+    reader, writer = await edge.connect()
+    writer.write(head(CHAT, b"Transfer-Encoding: chunked", b"Expect: 100-continue", length=None))
+    assert (
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        == b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    writer.write(b"".join(b"1\r\n%c\r\n" % byte for byte in body) + b"0\r\n\r\n")
+    answer = await answer_or_reset(reader)
+    writer.close()
+    if status == 200:
+        assert answer is not None and answer.status == 200
+    else:
+        if answer is not None:
+            assert (answer.status, answer.error()["code"]) == (413, "body_too_large")
+            assert "framing" in answer.error()["message"]
+            assert answer.headers["connection"] == "close"
+        assert ["body_too_large" in r.getMessage() for r in refusal_records(caplog)] == [True]
+    assert edge.origin_requests() == (status == 200)
+
+
+async def test_a_declared_body_past_the_limit_sent_whole_still_gets_its_413(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An SDK writes its whole body before it reads: the 413, answered at the
+    head, waits while the rest is read and dropped, and is not lost to a
+    reset (as when, in trial 91, a bound on the bytes as sent closed the
+    connection under such a client)."""
+    edge = await start_edge()  # --max-body-bytes=65536
+    reader, writer = await edge.connect()
+    body = b"x" * (32 << 20)  # far past the sockets' buffers: still sending when answered
+    writer.write(head(CHAT, length=len(body)) + body)
+    await writer.drain()
+    answer = await read_answer(reader)
+    writer.close()
+    assert (answer.status, answer.error()["code"]) == (413, "body_too_large")
+    assert ["body_too_large" in r.getMessage() for r in refusal_records(caplog)] == [True]
     assert edge.origin_requests() == 0
 
 
