@@ -600,6 +600,11 @@ def _path_hint(request: web.Request) -> str:
     it does not serve it and those paths; else "".
     Only 404s pay for it."""
     path = request.path
+    if request.method == hdrs.METH_CONNECT:
+        # A tunnel asked of a forward proxy (its target, host:port, is no path).
+        return (
+            "; this gateway is not a forward proxy: send its own paths to it, as an OpenAI SDK does"
+        )
     meant = path.rstrip("/")
     if meant.startswith("/v1/v1/"):
         meant = meant[3:]
@@ -681,8 +686,9 @@ def _refused(
 def _what(request: web.Request) -> str:
     """The request line's method and path, the path cut so that a huge one
     makes neither a huge log line nor a huge error message. The path as sent
-    (``%2F`` kept): the decoded one hides why the router did not match it."""
-    path = request.rel_url.raw_path
+    (``%2F`` kept): the decoded one hides why the router did not match it;
+    a CONNECT's target (host:port, no path) as sent."""
+    path = request.rel_url.raw_path or request.raw_path
     return f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
 
 

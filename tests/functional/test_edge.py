@@ -593,6 +593,28 @@ async def test_a_declared_body_past_the_limit_sent_whole_still_gets_its_413(
     assert edge.origin_requests() == 0
 
 
+async def test_a_connect_is_a_404_naming_its_target_and_saying_this_is_no_forward_proxy(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trial 91: a CONNECT was answered "CONNECT : Not Found" (its target is
+    no path) and logged so; the connection serves on, as after any 404."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(b"CONNECT evil.example:443 HTTP/1.1\r\nHost: evil.example:443\r\n\r\n")
+    answer = await read_answer(reader)
+    assert (answer.status, answer.error()["code"]) == (404, "not_found")
+    message = answer.error()["message"]
+    assert message.startswith("CONNECT evil.example:443: Not Found; ")
+    assert "not a forward proxy" in message
+    writer.write(head() + BODY)
+    assert (await read_answer(reader)).status == 200
+    writer.close()
+    assert ["CONNECT evil.example:443 " in r.getMessage() for r in refusal_records(caplog)] == [
+        True
+    ]
+    assert edge.origin_requests() == 1
+
+
 async def test_a_bad_chunk_gets_a_json_400(
     start_edge: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
