@@ -1622,6 +1622,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         if str(exc).startswith("number is infinity"):
             path = jsonio.past_float_at(raw)
             if path is not None:
+                # Its keys as sent: a 100 KB key was quoted whole, twice.
+                path = path[:256]
                 raise bad_request(
                     f"'{path}' is a number too large for a 64-bit float",
                     param=path,

@@ -469,6 +469,8 @@ async def test_a_body_that_is_not_utf8_is_told_where(stack: Stack) -> None:
         (b', "seed": 1%s}' % (b"0" * 400), "seed"),  # an integer no float holds
         # Past what Python's int() reads (4,300 digits; trial 36).
         (b', "top_k": -%s}' % (b"9" * 4301), "top_k"),
+        # A key is quoted as far as 256 characters (trial 91: 100 KB, twice).
+        (b', "metadata": {"%s": 1e400}}' % (b"k" * 100_000), "metadata." + "k" * 247),
     ],
 )
 async def test_a_number_past_a_64_bit_float_names_its_field(
