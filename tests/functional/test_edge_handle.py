@@ -5,6 +5,7 @@ answer or error becomes on an application without the proxy's error boundary
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -36,6 +37,22 @@ async def returns_nothing(request: web.Request) -> web.Response:
 
 
 RELEASE = web.AppKey("release", asyncio.Event)
+# What the transport still held of earlier answers as each /unsent began, and its high-water mark.
+UNSENT = web.AppKey("unsent", list[tuple[int, int]])
+BIG = 32 << 20  # far past what the loopback's socket buffers take at once
+
+
+async def big(request: web.Request) -> web.Response:
+    return web.Response(body=b"a" * BIG)
+
+
+async def unsent(request: web.Request) -> web.Response:
+    transport = request.transport
+    assert transport is not None
+    request.app[UNSENT].append(
+        (transport.get_write_buffer_size(), transport.get_write_buffer_limits()[1])
+    )
+    return web.Response(text="noted")
 
 
 async def held(request: web.Request) -> web.Response:
@@ -58,9 +75,11 @@ ANSWERS = [
 async def served() -> AsyncIterator[tuple[EdgeRunner, str]]:
     app = web.Application()
     app[RELEASE] = asyncio.Event()
+    app[UNSENT] = []
     for path, handler in [
         ("/not-found", not_found), ("/redirect", redirect), ("/times-out", times_out),
         ("/a-bug", a_bug), ("/returns-nothing", returns_nothing), ("/held", held),
+        ("/big", big), ("/unsent", unsent),
     ]:  # fmt: skip
         app.router.add_get(path, handler)
     runner, _, port = await listen(app)
@@ -115,3 +134,30 @@ async def test_a_stop_waits_for_the_request_under_way(served: tuple[EdgeRunner, 
             await stopping
         resp = await answer
         assert (resp.status, await resp.text()) == (200, "held")
+
+
+async def test_a_whole_answer_is_drained_before_the_next_request_is_handled(
+    served: tuple[EdgeRunner, str],
+) -> None:
+    # A whole answer past the transport's high-water mark is waited for (its
+    # drain, which the send timeout bounds) before the connection's next
+    # request: a client that reads slowly holds its own connection, not a
+    # buffer that grows with each request it pipelines.
+    runner, base = served
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    port = int(base.rsplit(":", 1)[1])
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\nGET /unsent HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(60):
+            assert b" 200 " in await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(BIG)
+            assert b" 200 " in await reader.readuntil(b"\r\n\r\n")
+            assert await reader.readexactly(5) == b"noted"
+    finally:
+        writer.close()
+    [(left, high)] = runner.app[UNSENT]
+    assert left <= high
