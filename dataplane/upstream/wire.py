@@ -847,7 +847,11 @@ class OriginWire:
                 )
         shares[tenant] = calls + 1
         try:
-            conn = await self._take(endpoint)
+            # A plain call when a connection is idle (nearly always): a
+            # coroutine that never waits costs some 700 instructions more.
+            conn = self._idle_now(endpoint)
+            if conn is None:
+                conn = await self._take(endpoint)
         except BaseException:
             pool.leave(tenant)
             raise
@@ -868,22 +872,33 @@ class OriginWire:
             raise
         return OriginResponse(message.code, message.headers, payload, conn, pool, tenant)
 
+    def _idle_now(self, endpoint: _Endpoint) -> OriginConnection | None:
+        """`_take` where it waits for nothing: an idle connection of the
+        endpoint's pool, unless calls wait for one (they go first); None
+        when there is none to take now (await `_take` then)."""
+        if self._closed:
+            raise aiohttp.ClientConnectionError("the origin wire is closed")
+        pool = endpoint.pool
+        if pool.waiters:
+            return None
+        idle = pool.idle
+        while idle:
+            conn, _ = idle.popitem()
+            if conn.idle:
+                return conn
+            conn.close()
+        return None
+
     async def _take(self, endpoint: _Endpoint) -> OriginConnection:
         """An idle connection of the endpoint's pool, or a new one while the
         pool is under its cap; past it, the first one freed, in turn, if one
         is within the queue timeout (else OriginFull)."""
+        conn = self._idle_now(endpoint)
+        if conn is not None:
+            return conn
         pool = endpoint.pool
-        if self._closed:
-            raise aiohttp.ClientConnectionError("the origin wire is closed")
-        if not pool.waiters:  # else they go first
-            idle = pool.idle
-            while idle:
-                conn, _ = idle.popitem()
-                if conn.idle:
-                    return conn
-                conn.close()
-            if pool.open < self._limit:
-                return await self._open(pool, endpoint)
+        if not pool.waiters and pool.open < self._limit:  # else they go first
+            return await self._open(pool, endpoint)
         first = False  # a call that waited already and must wait again keeps its turn
         loop = asyncio.get_running_loop()
         # One bound for the whole wait, however often the call waits again.
