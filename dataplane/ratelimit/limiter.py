@@ -456,30 +456,10 @@ class Admission:
             return
         self._open = False
         delta = 0 if actual_tokens is None else actual_tokens - self.est_tokens
-        reserved = self._reserved
-        # Counted by hand: enumerate() costs more than the loop's other steps.
-        i = -1
+        if self._reserved is not None:
+            self._settle_budgets(actual_tokens, delta)
         for st in self._scopes:
-            i += 1
             st.in_flight -= 1
-            if reserved is not None and st.budgeted:
-                # The budgets were charged the estimate and the completion
-                # expected: settle them to the count (None: the estimate).
-                settle = delta - reserved[i]
-                if st.day == self._day:
-                    st.day_used = max(0.0, st.day_used + settle)
-                    st.month_used = max(0.0, st.month_used + settle)
-                else:
-                    _settle_closed(st, self._day, settle)
-                choices = self._choices
-                if actual_tokens and (self._most is None or self._most >= st.completion * choices):
-                    # Learned of answers an origin made (not a hit, nor one
-                    # given back: 0) and not cut short by a bound below what
-                    # is expected (a `max_tokens: 1` says nothing of the rest),
-                    # per completion: an `n: 8` answer is eight of them.
-                    st.answers += 1
-                    weight = max(COMPLETION_WEIGHT, 1.0 / (st.answers + 1))
-                    st.completion += weight * (max(0, delta) / choices - st.completion)
             if delta:
                 st.attempt_tokens += delta
                 tok = st.tok
@@ -488,6 +468,30 @@ class Admission:
                         tok.take(delta, now)
                     else:
                         tok.give(-delta, now)
+
+    def _settle_budgets(self, actual_tokens: int | None, delta: int) -> None:
+        """`release`'s part for the budgets, which were charged the estimate
+        and the completion expected (`_reserved`): settle them to the count
+        (None: the estimate), and learn the completion from it."""
+        assert self._reserved is not None
+        choices = self._choices
+        for st, reserved in zip(self._scopes, self._reserved, strict=True):
+            if not st.budgeted:
+                continue
+            settle = delta - reserved
+            if st.day == self._day:
+                st.day_used = max(0.0, st.day_used + settle)
+                st.month_used = max(0.0, st.month_used + settle)
+            else:
+                _settle_closed(st, self._day, settle)
+            if actual_tokens and (self._most is None or self._most >= st.completion * choices):
+                # Learned of answers an origin made (not a hit, nor one
+                # given back: 0) and not cut short by a bound below what
+                # is expected (a `max_tokens: 1` says nothing of the rest),
+                # per completion: an `n: 8` answer is eight of them.
+                st.answers += 1
+                weight = max(COMPLETION_WEIGHT, 1.0 / (st.answers + 1))
+                st.completion += weight * (max(0, delta) / choices - st.completion)
 
 
 def _settle_closed(st: _Scope, day: int, settle: float) -> None:
@@ -1131,14 +1135,11 @@ class RateLimiter:
                 False, (), 0, refused, wait, refused_by=refused_by, exhausted=exhausted
             )
 
-        reserved: list[float] | None = None
         # The scopes whose headers the admission shows (headers' choice, made
         # here as each bucket is charged: see `headers`).
         req_st = tok_st = None
         req_left = tok_left = INF
-        i = -1  # counted by hand, as in Admission.release
         for st in found:
-            i += 1
             busy = st.in_flight + 1
             st.in_flight = busy
             if busy > st.peak:  # noqa: PLR1730 - max() is a call, on the hot path
@@ -1157,22 +1158,36 @@ class RateLimiter:
                 left = level / f if f > 0.0 else 0.0
                 if left < tok_left:
                     tok_left, tok_st = left, st
+        admission = Admission(True, found, est_tokens)
+        admission._headers = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
+        # The budgets apart, in a pass of their own: the loop above, which
+        # every limited request runs, carries the buckets alone.
+        if self._any_budget:
+            self._reserve(admission, est_tokens, most, choices)
+        return admission
+
+    def _reserve(
+        self, admission: Admission, est_tokens: int, most: int | None, choices: int
+    ) -> None:
+        """Charge the budgeted scopes of `admission` (just admitted) its
+        estimate and the completion expected, noting on it what `release`
+        settles. A budget is not repaid as a bucket is: it is charged the
+        completion expected too, so that answers admitted on their prompts'
+        estimates do not pass it by their completions."""
+        found = admission._scopes
+        reserved: list[float] | None = None
+        for i, st in enumerate(found):
             if st.budgeted:
-                # A budget is not repaid as a bucket is: it is charged the
-                # completion expected too, so that answers admitted on their
-                # prompts' estimates do not pass it by their completions.
                 if reserved is None:
                     reserved = [0.0] * len(found)
                 reserved[i] = expected = _expected(st, est_tokens, most, choices)
                 st.day_used += est_tokens + expected
                 st.month_used += est_tokens + expected
-        admission = Admission(True, found, est_tokens)
-        admission._headers = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
-        admission._reserved = reserved
-        admission._most = most
-        admission._choices = choices
-        admission._day = self._day
-        return admission
+        if reserved is not None:
+            admission._reserved = reserved
+            admission._most = most
+            admission._choices = choices
+            admission._day = self._day
 
     def _over_budget(
         self, st: _Scope, est_tokens: float, now: float
