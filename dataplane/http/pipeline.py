@@ -270,7 +270,7 @@ class Exchange:
         # admit
         self.estimate: int = 0
         self.admission: Admission | None = None
-        self.limit_headers: list[tuple[str, str]] = []
+        self.limit_headers: Sequence[tuple[str, str]] = ()
         # cache, answer
         self.cache: CachePlan | None = None
         self.cache_request: CacheRequest | None = None
@@ -689,7 +689,10 @@ class Pipeline:
             now = time.monotonic()
             outcome = "admitted" if admission.ok else "refused"
             self.metrics.slot_wait(ex.principal.tenant, outcome)
-        ex.limit_headers = limiter.headers(scopes, now, admission)
+        # An admission's own headers read, not asked for: a call each request.
+        ex.limit_headers = (
+            admission.headers if admission.ok else limiter.headers(scopes, now, admission)
+        )
         if not admission.ok:
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
             self.metrics.limit_refusal(ex.principal.tenant, limit)

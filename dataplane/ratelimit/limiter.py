@@ -373,18 +373,20 @@ class Admission:
     `exhausted`: a budget's refusal (tokens_per_day, tokens_per_month) for
     the fleet's having too little left, which only the period's end brings
     back; else this proxy's share of it, which the leader moves to demand.
+    `headers`: an admitted request's `x-ratelimit-*` headers (those
+    `RateLimiter.headers` makes of the state `admit` left), not to be changed.
     """
 
     __slots__ = (
         "_choices",
         "_day",
-        "_headers",
         "_most",
         "_open",
         "_reserved",
         "_scopes",
         "est_tokens",
         "exhausted",
+        "headers",
         "limit",
         "ok",
         "refused_by",
@@ -422,9 +424,9 @@ class Admission:
         self._most: int | None = None  # the completion's bound it stated
         self._choices = 1  # the completions it asked for (n)
         self._day = 0  # the UTC day its budgets were charged in
-        # An admitted request's x-ratelimit-* headers (RateLimiter.headers),
-        # made by `admit` as it charged its scopes.
-        self._headers: list[tuple[str, str]] = []
+        # An admitted request's x-ratelimit-* headers, made by `admit` as it
+        # charged its scopes (UNLIMITED's: none); not to be changed.
+        self.headers: Sequence[tuple[str, str]] = ()
 
     @property
     def refused_scope(self) -> str:
@@ -553,7 +555,10 @@ class RateLimiter:
         self._carried: dict[str, list[Spent]] = {}
         self._carried_reports = 0
         self._closed_reports = 0
-        self._any_budget = False
+        # Whether any scope here has a budget: only then does an admission
+        # read the completion's bound (`admit`'s `most`). An attribute, not a
+        # property: every request reads it, and a property is a call.
+        self.budgeted = False
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -615,7 +620,7 @@ class RateLimiter:
             shares.pop(name, None)
             self._budgets.pop(name, None)
         self._scopes = scopes
-        self._any_budget = any(st.limits.budgeted for st in scopes.values())
+        self.budgeted = any(st.limits.budgeted for st in scopes.values())
         self._take_owed(now)
 
     def _next_epoch(self, now: float) -> float:
@@ -687,12 +692,6 @@ class RateLimiter:
             st = self._scopes.get(name)
             if st is not None:
                 self._resume_scope(st)
-
-    @property
-    def budgeted(self) -> bool:
-        """Whether any scope here has a budget: only then does an admission
-        read the completion's bound (`admit`'s `most`)."""
-        return self._any_budget
 
     def debts(self, now: float) -> dict[str, tuple[float, float]]:
         """Until when (wall time, as set_day last gave it) each scope's
@@ -1159,10 +1158,10 @@ class RateLimiter:
                 if left < tok_left:
                     tok_left, tok_st = left, st
         admission = Admission(True, found, est_tokens)
-        admission._headers = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
+        admission.headers = _shown(req_st, req_left, tok_st, tok_left, self._unknown_retry_s)
         # The budgets apart, in a pass of their own: the loop above, which
         # every limited request runs, carries the buckets alone.
-        if self._any_budget:
+        if self.budgeted:
             self._reserve(admission, est_tokens, most, choices)
         return admission
 
@@ -1257,12 +1256,12 @@ class RateLimiter:
         estimate of the global remaining would tell the client to come back
         at once. `refusal` may also be the admission `admit` has just given
         these scopes (no configure since): its headers, which `admit` made
-        of the state it left (the same as made here then; the admission's
-        own list, not to be changed).
+        of the state it left (the same as made here then; a copy of the
+        admission's own `headers`, which the pipeline reads directly).
         """
         if refusal is not None and refusal.ok:
             # Those `admit` made of the same state (UNLIMITED's: none).
-            return refusal._headers if refusal._scopes else []
+            return list(refusal.headers)
         get = self._scopes.get
         req_st = tok_st = None
         req_left = tok_left = INF
