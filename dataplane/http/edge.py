@@ -338,6 +338,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         "_ids",
         "_last",
         "_limits",
+        "_lingers",
         "_payload",
         "_refusing",
         "_sent",
@@ -365,6 +366,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         # requests queued before it are answered, then its error, which
         # closes the connection.
         self._refusing = False
+        # A body is left unread (_refuse_framing): the connection lingers as
+        # it closes (_linger).
+        self._lingers = False
         # The answer its handler handed to the transport (send_whole), whose
         # drain finish_response waits for.
         self._sent: web.Response | None = None
@@ -687,7 +691,25 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if not self._force_close:
             self._task_handler = None
             if self.transport is not None:
-                self.transport.close()
+                if self._lingers:
+                    self._linger(self.transport)
+                else:
+                    self.transport.close()
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """Close a connection whose client may still be sending a body left
+        unread (_refuse_framing): its answers end now (write_eof, after what
+        is buffered), what the client still sends is dropped unparsed (this
+        connection is closing: data_received parses nothing), and the socket
+        closes once the client ends its side, or after aiohttp's lingering
+        time. Closed at once with the client's bytes unread, the kernel would
+        reset it, and the reset takes the answer from a client that writes its
+        whole body before it reads (httpx, so the openai SDK, given a
+        generator): it saw a connection error where its 413 or 401 was."""
+        if transport.can_write_eof():
+            transport.write_eof()
+        # The deadline connection_lost cancels; none is running once closing.
+        self._deadline.arm(self._lingering_time, transport.close)
 
     async def _handle(
         self,
@@ -853,20 +875,23 @@ class EdgeProtocol(web_protocol.RequestHandler):
         still to run, answers 413 (dataplane.http.pipeline.read_body) and the
         connection closes after it; a request already answered (a 401, a 415),
         whose rest aiohttp reads and drops, has its connection closed,
-        unlogged: its answer was. (A body past --max-body-bytes whose framing
-        is in bounds is still read and dropped after its 413, for aiohttp's
-        lingering time: closed at once, its client, still sending, would see
-        a reset where the 413 was, and an SDK would retry.)"""
+        unlogged: its answer was. Either way the rest is not parsed, and the
+        connection lingers as it closes (_linger): closed at once, its
+        client, still sending, would see a reset where its answer was, and an
+        SDK would retry. (A body past --max-body-bytes whose framing is in
+        bounds is read and dropped after its 413, parsed, for aiohttp's
+        lingering time.)"""
         payload, self._payload = self._payload, None
         assert payload is not None
         self._deadline.disarm()
+        self._lingers = True
         if self._request_in_progress or any(queued is payload for _, queued in self._messages):
             self._fail_body(payload, OverFramed())
             return
         # Ended, so that the lingering read stops without an error (which
         # aiohttp would log as a bug, with a traceback).
         payload.feed_eof()
-        self.force_close()
+        self.close()
 
     def _fail_body(self, payload: StreamReader, exc: Exception) -> None:
         # Ended as well as failed: aiohttp's lingering read after the answer

@@ -574,6 +574,32 @@ async def test_a_body_framed_past_its_own_size_gets_a_413(
     assert edge.origin_requests() == (status == 200)
 
 
+@pytest.mark.parametrize(("key", "status"), [(True, 413), (False, 401)])
+async def test_a_client_still_sending_a_body_framed_past_its_size_gets_its_answer(
+    start_edge: Start, caplog: pytest.LogCaptureFixture, key: bool, status: int
+) -> None:
+    """A client that writes its whole body before it reads (httpx, and so
+    the openai SDK, given a generator of small pieces) got a connection
+    error where its 413, or its 401, was: the connection closed under it,
+    still sending, and the reset took the answer. The rest is read and
+    dropped unparsed, as the 413 of a body past --max-body-bytes waits."""
+    edge = await start_edge()
+    lines = [CHAT.join([b"POST ", b" HTTP/1.1"]), b"Host: proxy", b"Content-Type: application/json"]
+    lines.append(b"Transfer-Encoding: chunked")
+    if key:
+        lines.append(b"Authorization: Bearer " + KEY.key.encode())
+    reader, writer = await edge.connect()
+    # 24 MB as sent (a 4 MB body), far past the sockets' buffers.
+    writer.write(b"\r\n".join(lines) + b"\r\n\r\n" + b"1\r\nx\r\n" * (1 << 22) + b"0\r\n\r\n")
+    await writer.drain()
+    answer = await read_answer(reader)
+    assert await closed(reader)
+    writer.close()
+    assert answer.status == status
+    assert [r.getMessage().count(f" {status} ") for r in refusal_records(caplog)] == [1]
+    assert edge.origin_requests() == 0
+
+
 async def test_a_declared_body_past_the_limit_sent_whole_still_gets_its_413(
     start_edge: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
