@@ -398,6 +398,19 @@ class OriginConnection(BaseProtocol):
         super().connection_lost(exc)
 
 
+def _pop_idle(pool: _Pool) -> OriginConnection | None:
+    """The most recently freed of `pool`'s idle connections, taken from it;
+    those no longer fit for a call (closing, or the origin closed) are closed
+    on the way. None when none is idle."""
+    idle = pool.idle
+    while idle:
+        conn, _ = idle.popitem()
+        if conn.idle:
+            return conn
+        conn.close()
+    return None
+
+
 class _Pool:
     """The connections to one origin (host, port and scheme): the idle ones
     (insertion order: the most recently freed last, reused first) and a count
@@ -879,15 +892,7 @@ class OriginWire:
         if self._closed:
             raise aiohttp.ClientConnectionError("the origin wire is closed")
         pool = endpoint.pool
-        if pool.waiters:
-            return None
-        idle = pool.idle
-        while idle:
-            conn, _ = idle.popitem()
-            if conn.idle:
-                return conn
-            conn.close()
-        return None
+        return None if pool.waiters else _pop_idle(pool)
 
     async def _take(self, endpoint: _Endpoint) -> OriginConnection:
         """An idle connection of the endpoint's pool, or a new one while the
@@ -933,13 +938,20 @@ class OriginWire:
                 if handed is not None:
                     handed.close()
                 raise aiohttp.ClientConnectionError("the origin wire is closed")
-            if handed is None:
-                if pool.open < self._limit:
-                    return await self._open(pool, endpoint)
-            elif handed.idle:
-                return handed
-            else:
+            if handed is not None:
+                if handed.idle:
+                    return handed
                 handed.close()  # lost since: its place comes free with it
+            # Its turn: a connection freed between its waking and its running
+            # went idle (no call was waiting), and is this call's before a new
+            # one. Else, at the cap, it would wait again beside it, and calls
+            # arriving after it would queue behind it (_idle_now). The place
+            # it was handed, if any, stays free for the next call to open.
+            conn = _pop_idle(pool)
+            if conn is not None:
+                return conn
+            if handed is None and pool.open < self._limit:
+                return await self._open(pool, endpoint)
 
     @staticmethod
     def _pass_on(pool: _Pool, handed: OriginConnection | None) -> None:

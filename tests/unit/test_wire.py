@@ -600,6 +600,32 @@ async def test_a_connection_freed_goes_to_the_call_that_waited_not_to_one_arrivi
     assert origin.connections == 1
 
 
+async def test_a_woken_call_takes_a_connection_freed_before_it_ran_not_a_new_one(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # A place comes free (a connection lost) and wakes the waiting call; before
+    # it runs, another connection is freed and, no call waiting, pooled idle.
+    # The woken call takes that one (opening another would leave one idle,
+    # and at the cap it would wait again beside it).
+    wire = wires(limit_per_host=2)
+    held = [await wire.post(origin.url(), b"{}", no_headers()) for _ in range(2)]
+    waiting = asyncio.create_task(wire.post(origin.url(), b"{}", no_headers()))
+    [pool] = wire._pools.values()
+    while not pool.waiters:
+        await asyncio.sleep(0)
+    assert held[1].content.is_eof()
+    held[0].close()
+    while pool.waiters:  # the loss told: `waiting` is woken, and runs after this
+        await asyncio.sleep(0)
+    assert not waiting.done() and pool.open == 1
+    held[1].release()  # pooled idle: no call waits now
+    assert len(pool.idle) == 1
+    async with asyncio.timeout(BOUND):
+        resp = await waiting
+    assert await resp.read() == b"{}"
+    assert origin.connections == 2 and pool.open == 1 and len(pool.idle) == 1
+
+
 async def test_a_call_arriving_while_another_waits_queues_behind_it_though_one_is_idle(
     wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
