@@ -30,7 +30,7 @@ the checkout is left as it was. --from-source measures the old way.
 
 --optimize runs the proxy with PYTHONOPTIMIZE=2 (as `python -OO`: no
 docstrings, no asserts), its bytecode compiled for that level too
-(docs/operations.md, "Memory").
+(docs/architecture.md, "Memory").
 """
 
 from __future__ import annotations
