@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -388,15 +389,48 @@ def _demand_row(d: pb.ScopeDemand) -> list[float]:
         row += [d.spent_epoch, float(d.spent_day), _amount(d.day_tokens), _amount(d.month_tokens)]
     else:
         row += [0.0, 0.0, 0.0, 0.0]  # none: the closed counts come after
-    for c in d.closed:
-        # Four columns each (ScopeDemand.closed), after the counts: older
-        # leaders read the first nine only.
-        counts = (c.epoch, c.day_tokens, c.month_tokens)
-        if c.epoch > 0 and c.day and all(math.isfinite(x) and x >= 0 for x in counts):
-            row += [c.epoch, float(c.day), c.day_tokens, c.month_tokens]
+    row += _closed_columns(c for c in d.closed if not c.proxy)
     if len(row) == 9 and not row[5]:
         del row[5:]
     return row
+
+
+def _closed_columns(rows: Iterable[pb.SpentCount]) -> list[float]:
+    """Closed counts as a demand row's columns: four each (ScopeDemand.closed),
+    after the counts (older leaders read the first nine only); those that are
+    no counts left out."""
+    out: list[float] = []
+    for c in rows:
+        counts = (c.epoch, c.day_tokens, c.month_tokens)
+        if c.epoch > 0 and c.day and all(math.isfinite(x) and x >= 0 for x in counts):
+            out += [c.epoch, float(c.day), c.day_tokens, c.month_tokens]
+    return out
+
+
+def _named_rows(proxy: str, demand: Iterable[pb.ScopeDemand]) -> dict[str, dict[str, list[float]]]:
+    """The closed counts `proxy` carries of its other names (SpentCount.proxy:
+    another --workers layout's), as demand rows of those names: rates 0 and
+    no counts of their own, so that the leader, of any version that reads
+    closed counts, counts each under its process's name and epoch, once.
+    Only names of the same proxy (NAME and NAME-wI, whichever `proxy` is)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for d in demand:
+        for c in d.closed:
+            if c.proxy and c.proxy != proxy and same_proxy(c.proxy, proxy):
+                columns = _closed_columns((c,))
+                if columns and d.scope:
+                    row = out.setdefault(c.proxy, {}).setdefault(d.scope, [0.0] * 9)
+                    row += columns
+    return out
+
+
+def same_proxy(a: str, b: str) -> bool:
+    """Whether names `a` and `b` are of one proxy under some --workers
+    (NAME, NAME-w0, NAME-w1...; dataplane.settings.worker_name)."""
+    return _WORKER.sub("", a) == _WORKER.sub("", b)
+
+
+_WORKER = re.compile(r"-w(0|[1-9][0-9]*)$")
 
 
 def _amount(x: float) -> float:
@@ -424,6 +458,9 @@ class QuotaHub:
         self._interval = interval
         self._wall = wall
         self._demand: dict[str, dict[str, list[float]]] = {}
+        # What each proxy's report carried of its other names' counts
+        # (_named_rows): name -> scope -> row.
+        self._named: dict[str, dict[str, dict[str, list[float]]]] = {}
         # When each proxy's report came (wall clock): of a proxy in two
         # replicas' reports (it moved; the one it left is gone and its key
         # not expired yet), the leader takes the later.
@@ -448,14 +485,42 @@ class QuotaHub:
     # ------------------------------------------------------------ demand in
 
     def report(self, proxy: str, demand: Iterable[pb.ScopeDemand]) -> None:
-        self._demand[proxy] = {d.scope: _demand_row(d) for d in demand if d.scope}
+        rows = list(demand)
+        self._demand[proxy] = {d.scope: _demand_row(d) for d in rows if d.scope}
+        if named := _named_rows(proxy, rows):
+            self._named[proxy] = named
+        else:
+            self._named.pop(proxy, None)
         self._heard[proxy] = self._wall()
         self._dirty = True
 
     def forget(self, proxy: str) -> None:
         self._heard.pop(proxy, None)
-        if self._demand.pop(proxy, None) is not None:
+        named = self._named.pop(proxy, None)
+        if self._demand.pop(proxy, None) is not None or named:
             self._dirty = True
+
+    def _report_body(self) -> dict[str, Any]:
+        """This replica's report for the leader: each proxy's demand, and
+        the rows its proxies carry of other names (_named_rows) under those
+        names, their closed counts after those of a report of that name
+        here. Such a name is not heard here (no `heard`): of its rows in
+        two replicas' reports, the leader takes the rates of the one it
+        heard from (_merged)."""
+        if not self._named:
+            return {"proxies": self._demand, "heard": self._heard}
+        proxies = dict(self._demand)
+        for named in self._named.values():
+            for name, by_scope in named.items():
+                mine = proxies[name] = dict(proxies.get(name, {}))
+                for scope, row in by_scope.items():
+                    had = mine.get(scope)
+                    if had is None:
+                        mine[scope] = list(row)
+                    else:
+                        # Counts columns first (none: four zeros), then the closed.
+                        mine[scope] = [*had, *[0.0] * (9 - len(had)), *row[9:]]
+        return {"proxies": proxies, "heard": self._heard}
 
     async def publish_demand(self) -> None:
         """Write this replica's proxies' demand every interval while it changes."""
@@ -465,7 +530,7 @@ class QuotaHub:
             if not self._dirty:
                 continue
             self._dirty = False
-            body = orjson.dumps({"proxies": self._demand, "heard": self._heard})
+            body = orjson.dumps(self._report_body())
             try:
                 lease = await self._lease()
                 if len(body) > COMPRESS_OVER:

@@ -113,12 +113,15 @@ class Spent:
     corrected by each answer's count. `epoch` tells the process (its start,
     Unix seconds, or the process of the proxy before it, whose saved counts
     it went on from): counts start at 0 with each process and never go back
-    within one day (month) of it."""
+    within one day (month) of it. `proxy`: the process's proxy name where it
+    is not the one holding the counts (a row another --workers layout's
+    process left, which this one carries: SpentCount.proxy); "" is its own."""
 
     epoch: float
     day: int
     day_tokens: float
     month_tokens: float
+    proxy: str = ""
 
 
 @dataclass(frozen=True, slots=True)

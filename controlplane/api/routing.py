@@ -208,6 +208,7 @@ class RoutingService:
             session_id=record.session_id,
             control_plane_id=self._registry.replica_id,
             fleet_size=await self._registry.fleet_size(),
+            takes_named_counts=True,  # QuotaHub.report
         )
 
     @grpc_errors

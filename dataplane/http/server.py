@@ -66,7 +66,7 @@ from dataplane.settings import Settings
 from dataplane.streaming.splice import TranscriptBudget
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
-from dataplane.sync.quota import QuotaState
+from dataplane.sync.quota import QuotaState, other_layouts
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
 from dataplane.upstream.outlier import OutlierDetector
@@ -140,7 +140,20 @@ class Proxy:
         )
         # Its budget counts are this process's (RateLimiter.epoch).
         self.limiter = RateLimiter(demand_tau_s=settings.demand_tau, epoch=time.time())
-        self.quota = quota = QuotaState(self.limiter, settings.state_dir, proxy=settings.name)
+        # A --workers changed since the last start left counts under other
+        # names, which no process of those names comes to report.
+        others = (
+            other_layouts(
+                settings.state_dir,
+                settings.worker.index if settings.worker else None,
+                settings.workers,
+            )
+            if settings.state_dir
+            else []
+        )
+        self.quota = quota = QuotaState(
+            self.limiter, settings.state_dir, proxy=settings.name, others=others
+        )
         self.draining = Draining()
         self.loads = LoadBoard()
         self.local_store = local = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)

@@ -795,17 +795,18 @@ class RateLimiter:
     def carry(self, rows: Mapping[str, Sequence[Spent]]) -> None:
         """Report `rows` (scope -> counts of other processes of this proxy:
         a reload's old worker's final ones, or what a process before this
-        one still carried) beside this process's own in the next
+        one still carried, or those of a name another --workers layout
+        gave it: `Spent.proxy`) beside this process's own in the next
         CLOSED_REPORTS reports: the leader counts each as that process's
         report, once however often it comes. QuotaState: as it takes the
         saved counts."""
         for name, more in rows.items():
-            newest: dict[tuple[float, int], Spent] = {}
+            newest: dict[tuple[str, float, int], Spent] = {}
             for s in (*self._carried.get(name, ()), *more):
-                had = newest.get((s.epoch, s.day))
+                had = newest.get((s.proxy, s.epoch, s.day))
                 if had is None or s.month_tokens >= had.month_tokens:
-                    newest[(s.epoch, s.day)] = s
-            kept = sorted(newest.values(), key=lambda s: (s.epoch, s.day))[-MAX_CARRIED:]
+                    newest[(s.proxy, s.epoch, s.day)] = s
+            kept = sorted(newest.values(), key=lambda s: (s.epoch, s.day, s.proxy))[-MAX_CARRIED:]
             self._carried[name] = kept
         self._carried_reports = CLOSED_REPORTS
 

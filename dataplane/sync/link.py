@@ -196,6 +196,9 @@ class ControlPlaneClient:
         # The warnings told on this stream (by its last ACK or report): a
         # report carries them again only when they changed (see report()).
         self._told: tuple[str, ...] = ()
+        # Whether this session's replica counts rows of other names
+        # (RegisterResponse.takes_named_counts; see report()).
+        self._named_counts = False
         self.connected = False
         self.quota_generation = 0
         self.loads_generation = 0
@@ -431,6 +434,7 @@ class ControlPlaneClient:
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
             # A new session's registration holds no warnings yet.
             self._told = ()
+            self._named_counts = reg.takes_named_counts
             current = self._holder.routes
             outbox.put_nowait(
                 pb.RouteRequest(
@@ -559,6 +563,15 @@ class ControlPlaneClient:
             self._told = warnings
         if self._demand is not None:
             message.demand.extend(self._demand())
+            if not self._named_counts:
+                # An older replica would count another name's rows as this
+                # proxy's own (a second time): they wait for a replica that
+                # takes them, within the reports that carry them.
+                for row in message.demand:
+                    if any(c.proxy for c in row.closed):
+                        own = [c for c in row.closed if not c.proxy]
+                        del row.closed[:]
+                        row.closed.extend(own)
         if self._traffic is not None:
             traffic = self._traffic()
             message.requests_total = traffic.requests

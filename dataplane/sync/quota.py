@@ -18,8 +18,10 @@ them only while they are of today or yesterday (later, the leader may have
 folded that process away). A reload's new process, which counts its own,
 takes the old one's final counts when it takes the lock, and reports them
 beside its own under the old one's epoch (RateLimiter.carry): the old one
-stopped reporting when the new one registered. docs/rate-limits.md has the
-whole scheme.
+stopped reporting when the new one registered. A --workers changed since
+the last start leaves counts under names no process comes back as
+(`other_layouts`): worker 0 of the new layout carries them under those names
+(Spent.proxy). docs/rate-limits.md has the whole scheme.
 
 Budgets (tokens per day and month) need no share: the leader's counts come
 with the shares (QuotaShares.budgets), and the proxy's own go with its
@@ -35,7 +37,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,11 +67,17 @@ class QuotaState:
         wall: Callable[[], float] = time.time,
         *,
         proxy: str = "",
+        others: Sequence[Path] = (),
     ) -> None:
         """`proxy`: this proxy's name, which its saved counts carry (a process
-        of another name does not take them: the leader counts by name)."""
+        of another name does not take them: the leader counts by name).
+        `others`: the state directories of this proxy's names that its
+        --workers layout has not (`other_layouts`), whose saved counts this
+        process carries to the leader under their names."""
         self._limiter = limiter
         self._proxy = proxy
+        # Those not taken yet: a process of that name still holds them.
+        self._others = list(others)
         self._state_dir = state_dir
         self._clock = clock
         self._wall = wall
@@ -216,7 +224,11 @@ class QuotaState:
                 row.month_tokens = d.spent.month_tokens
             for c in d.closed:
                 row.closed.add(
-                    epoch=c.epoch, day=c.day, day_tokens=c.day_tokens, month_tokens=c.month_tokens
+                    epoch=c.epoch,
+                    day=c.day,
+                    day_tokens=c.day_tokens,
+                    month_tokens=c.month_tokens,
+                    proxy=c.proxy,
                 )
             out.append(row)
         return out
@@ -233,6 +245,8 @@ class QuotaState:
         old process holds it until it stops; then this one takes it)."""
         if self._counts_saved is None or not self._hold_lock():
             return
+        if self._others:
+            self._take_others()
         for path in self._left_taken:
             # Carried by the last call's save, on disk by now (a write takes
             # milliseconds), and by every save for CLOSED_REPORTS reports.
@@ -259,12 +273,22 @@ class QuotaState:
         if debts:
             # Until when (wall time) its buckets owe, requests and tokens.
             saved["debts"] = {scope: list(until) for scope, until in sorted(debts.items())}
-        if carried:
+        own = {k: v for k, rows in carried.items() if (v := [s for s in rows if not s.proxy])}
+        named = {k: v for k, rows in carried.items() if (v := [s for s in rows if s.proxy])}
+        if own:
             # What its reports carry besides its counts (RateLimiter.carry):
             # the process after it carries them on.
             saved["carried"] = {
                 scope: [[s.epoch, s.day, s.day_tokens, s.month_tokens] for s in rows]
-                for scope, rows in sorted(carried.items())
+                for scope, rows in sorted(own.items())
+            }
+        if named:
+            # Those of other names (another --workers layout's), apart: a
+            # build before them ignores the key, and would have counted
+            # them as this proxy's, a second time.
+            saved["carried_of"] = {
+                scope: [[s.proxy, s.epoch, s.day, s.day_tokens, s.month_tokens] for s in rows]
+                for scope, rows in sorted(named.items())
             }
         return orjson.dumps(saved), bool(counts or debts or carried)
 
@@ -323,6 +347,54 @@ class QuotaState:
             self._carry(saved, carried)
         return True
 
+    def _take_others(self) -> None:
+        """Carry the counts that this proxy's names of another --workers
+        layout saved as they stopped (`others`): no process of those names
+        comes after them to report their last interval, and the leader
+        counts each under its name and epoch, so they go under theirs
+        (SpentCount.proxy), once however often they come. A directory whose
+        lock a process of that name holds waits: it reports them itself."""
+        waiting = []
+        for directory in self._others:
+            if not self._take_other(directory):
+                waiting.append(directory)
+        self._others = waiting
+
+    def _take_other(self, directory: Path) -> bool:
+        """Carry `directory`'s saved counts; False while its lock is held.
+        Nothing there is changed: taken again (this process restarted), the
+        rows are the same, and the leader keeps the last of each."""
+        paths = [directory / COUNTS_FILE, *sorted(directory.glob(LEFT_COUNTS))]
+        if not any(p.exists() for p in paths):
+            return True
+        try:
+            fd = os.open(directory / COUNTS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            log.error("budget counts in %s not carried: cannot lock them: %s", directory, exc)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            log.error("budget counts in %s not carried: cannot lock them: %s", directory, exc)
+            return True
+        try:
+            for path in paths:
+                _, _, carried = self._saved_counts(path, other=True)
+                if carried:
+                    self._carry({}, carried)
+                    names = sorted({s.proxy or self._proxy for v in carried.values() for s in v})
+                    log.info(
+                        "carrying the budget counts of %s, saved in %s (another --workers)",
+                        ", ".join(names),
+                        path,
+                    )
+        finally:
+            os.close(fd)
+        return True
+
     def _carry(self, saved: Mapping[str, Spent], carried: Mapping[str, list[Spent]]) -> None:
         rows = {scope: [*carried.get(scope, ()), s] for scope, s in saved.items()}
         for scope, more in carried.items():
@@ -331,14 +403,17 @@ class QuotaState:
             self._limiter.carry(rows)
 
     def _saved_counts(
-        self, path: Path | None = None
+        self, path: Path | None = None, *, other: bool = False
     ) -> tuple[dict[str, Spent], dict[str, tuple[float, float]], dict[str, list[Spent]]]:
         """The budget counts the process before this one saved, if it was
         this proxy and they are of today or yesterday (UTC), and its buckets'
         debts (until when, wall time, each scope's requests and tokens are
         owed: RateLimiter.debts), and the counts its reports carried
         (RateLimiter.carried); none if they are damaged (said once: this
-        process counts from nothing, as one did before they were saved)."""
+        process counts from nothing, as one did before they were saved).
+        `other`: the file is another name's of this proxy (another --workers
+        layout's: `_take_others`), and its counts, as rows of that name, go
+        with what it carried, in `carried`; no debts."""
         assert self._state_dir is not None
         path = path or self._state_dir / COUNTS_FILE
         try:
@@ -353,7 +428,10 @@ class QuotaState:
         except Exception as exc:  # any damage: count from nothing
             log.error("ignoring saved budget counts %s: %s", path, exc)
             return {}, {}, {}
-        if proxy != self._proxy:
+        if other and (not isinstance(proxy, str) or not proxy or proxy == self._proxy):
+            # Not another name's: this proxy's own are in its own directory.
+            return {}, {}, {}
+        if not other and proxy != self._proxy:
             log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
             return {}, {}, {}
         try:
@@ -363,14 +441,27 @@ class QuotaState:
         except Exception as exc:  # damaged debts: the counts still stand
             log.error("ignoring saved debts in %s: %s", path, exc)
             debts = {}
+        # Rows of this proxy's own name are its own (""); the others' keep theirs.
+        own, me = (proxy if other else ""), self._proxy
         try:
             carried = {
-                str(scope): [Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3])) for v in rows]
+                str(scope): [
+                    Spent(float(v[0]), int(v[1]), float(v[2]), float(v[3]), own) for v in rows
+                ]
                 for scope, rows in raw.get("carried", {}).items()
             }
+            for scope, rows in raw.get("carried_of", {}).items():
+                carried.setdefault(str(scope), []).extend(
+                    Spent(float(v[1]), int(v[2]), float(v[3]), float(v[4]), _name(v[0], me))
+                    for v in rows
+                )
         except Exception as exc:  # damaged: the counts still stand
             log.error("ignoring saved carried counts in %s: %s", path, exc)
             carried = {}
+        if other:
+            for scope, s in saved.items():
+                carried.setdefault(scope, []).append(replace(s, proxy=proxy))
+            saved, debts = {}, {}
         wall = self._wall()
         # Older, the leader may have folded that process (two silent days),
         # and after a week forgotten it: counted again, it would count twice.
@@ -443,6 +534,7 @@ class QuotaState:
             # of that day, which resume takes no part of.
             today = utc_day(self._wall())
             self._carry({k: s for k, s in saved.items() if s.day != today}, carried)
+            self._take_others()
         if holds and saved:
             # Taken as the tables bring their scopes (RateLimiter.resume).
             self._limiter.resume(saved)
@@ -485,6 +577,49 @@ class QuotaState:
         log.info(
             "using saved quota shares (generation %d) until the leader's arrive", quota.generation
         )
+
+
+def _name(proxy: object, own: str) -> str:
+    """A carried row's proxy name as saved: "" if it is `own` (this
+    process's name: its own row); ValueError unless a name."""
+    if not isinstance(proxy, str) or not proxy:
+        raise ValueError(f"not a proxy name: {proxy!r}")
+    return "" if proxy == own else proxy
+
+
+def other_layouts(state_dir: Path, index: int | None, workers: int) -> list[Path]:
+    """The state directories of this proxy's names that its --workers
+    layout has not, whose saved budget counts a process of it carries
+    (QuotaState `others`): `--workers 1` saves in `state_dir` as NAME, N
+    workers each in `state_dir/wI` as NAME-wI (dataplane.settings.as_worker).
+    A single process (`index` None, `state_dir` the proxy's) takes every
+    `wI`; worker 0 of N (`state_dir` its own `ROOT/w0`) the single one's
+    ROOT and each `ROOT/wJ` for J >= N (slots gone with a smaller N); the
+    other workers none. Reads the directory: call at start."""
+    if index is None:
+        root, gone_from = state_dir, 0
+    elif index == 0:
+        root, gone_from = state_dir.parent, workers
+    else:
+        return []
+    out = [root] if index is not None else []
+    try:
+        slots = [p for p in root.iterdir() if _slot(p.name) is not None]
+    except OSError:
+        slots = []
+    out += sorted(
+        (p for p in slots if (_slot(p.name) or 0) >= gone_from and p.is_dir()),
+        key=lambda p: _slot(p.name) or 0,
+    )
+    return out
+
+
+def _slot(name: str) -> int | None:
+    """The worker index of a directory named `wI`, else None."""
+    digits = name[1:]
+    if name[:1] == "w" and digits.isdigit() and digits == str(int(digits)):
+        return int(digits)
+    return None
 
 
 def _whole(s: Spent) -> bool:

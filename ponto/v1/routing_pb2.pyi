@@ -116,22 +116,30 @@ class RegisterResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     CONTROL_PLANE_ID_FIELD_NUMBER: _builtins.int
     FLEET_SIZE_FIELD_NUMBER: _builtins.int
+    TAKES_NAMED_COUNTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Identifies this registration; the proxy sends it on its RouteStream."""
     control_plane_id: _builtins.str
     """Replica that accepted the registration (for logs)."""
     fleet_size: _builtins.int
     """Live proxies in the fleet, this one included (for logs and operators)."""
+    takes_named_counts: _builtins.bool
+    """This replica counts a SpentCount naming another proxy (SpentCount.proxy)
+    as that proxy's. False from an older one: the proxy leaves such rows
+    out of its reports on this stream (counted as its own, they would count
+    twice).
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         control_plane_id: _builtins.str = ...,
         fleet_size: _builtins.int = ...,
+        takes_named_counts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_plane_id", b"control_plane_id", "fleet_size", b"fleet_size", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_plane_id", b"control_plane_id", "fleet_size", b"fleet_size", "session_id", b"session_id", "takes_named_counts", b"takes_named_counts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1145,10 +1153,19 @@ class SpentCount(_message.Message):
     DAY_FIELD_NUMBER: _builtins.int
     DAY_TOKENS_FIELD_NUMBER: _builtins.int
     MONTH_TOKENS_FIELD_NUMBER: _builtins.int
+    PROXY_FIELD_NUMBER: _builtins.int
     epoch: _builtins.float
     day: _builtins.int
     day_tokens: _builtins.float
     month_tokens: _builtins.float
+    proxy: _builtins.str
+    """The process's proxy name when it is not the reporting proxy's: another
+    name of the same proxy under another --workers (NAME and NAME-wI), whose
+    last counts the process of the new layout carries. "": the reporter's.
+    Sent only to a control plane that says it takes them
+    (RegisterResponse.takes_named_counts): an older one would count them as
+    the reporter's own, a second time.
+    """
     def __init__(
         self,
         *,
@@ -1156,10 +1173,11 @@ class SpentCount(_message.Message):
         day: _builtins.int = ...,
         day_tokens: _builtins.float = ...,
         month_tokens: _builtins.float = ...,
+        proxy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "epoch", b"epoch", "month_tokens", b"month_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["day", b"day", "day_tokens", b"day_tokens", "epoch", b"epoch", "month_tokens", b"month_tokens", "proxy", b"proxy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionUserMessageParam
 
 from dataplane.sync.quota import COUNTS_FILE
 from ponto.fleet import Fleet, RegionDef
@@ -48,6 +49,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 QUESTION = [{"role": "user", "content": "say something"}]
+USER = [ChatCompletionUserMessageParam(role="user", content="say something")]
 
 
 def ask(client: httpx.Client, url: str) -> tuple[int, int, bool]:
@@ -280,3 +282,50 @@ def test_a_reload_under_load_loses_no_counts(fleet: Fleet) -> None:
         done.set()
         group.stop(signal.SIGTERM, timeout=30)
         del fleet.proxies["g"]
+
+
+def test_a_workers_change_reports_every_count_once(fleet: Fleet) -> None:
+    """Trial 90: 290 tokens to `--workers 1`, the proxy restarted with
+    `--workers 4` (new names: NAME-w0...): the leader counted 175, and the
+    other 115 (its last report interval, saved as it stopped) only once
+    `--workers 1` came back. Each layout here spends and stops before its
+    first report (every 4 s), so all it spent is that last interval; the
+    next layout's worker 0 (or the single process) carries the names gone
+    under their names: 1 -> 4 -> 2 -> 1, each token counted once."""
+    tenant = "relaid"
+    key = make_key(fleet, tenant, pb.Limits(tokens_per_day=10_000_000))
+    total = 0
+    for workers in (1, 4, 2, 1):
+        started = time.monotonic()
+        group = fleet.start_proxy(
+            "lay", "us-east", workers=workers, extra=["--report-interval-ms", "4000"]
+        )
+        try:
+            # What the layout before spent, all of it, once.
+            deadline = time.monotonic() + 30
+            while (leader := counted(fleet, tenant)) != total:
+                assert time.monotonic() < deadline, (workers, leader, total)
+                time.sleep(0.1)
+            for _ in range(10):
+                # A client (a connection) each: the workers share them out.
+                url = fleet.proxy_url("lay")
+                with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
+                    answer = client.chat.completions.create(model="sim-small", messages=USER)
+                assert answer.usage is not None
+                total += answer.usage.total_tokens
+            # Stopped before this process's next report: the counts of it are
+            # only those it saved as it stopped.
+            assert time.monotonic() - started < 30
+        finally:
+            group.stop(signal.SIGTERM, timeout=30)
+            del fleet.proxies["lay"]
+    assert total >= 40 * ANSWER
+    group = fleet.start_proxy("lay", "us-east", extra=["--report-interval-ms", "300"])
+    try:
+        deadline = time.monotonic() + 20
+        while (leader := counted(fleet, tenant)) != total:
+            assert time.monotonic() < deadline, (leader, total)
+            time.sleep(0.1)
+    finally:
+        group.stop(signal.SIGTERM, timeout=30)
+        del fleet.proxies["lay"]

@@ -58,7 +58,10 @@ from dataplane.ratelimit.limiter import (
     MAX_CARRIED,
     RateLimiter,
 )
-from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState
+from dataplane.settings import worker_name
+from dataplane.sync.holder import TableHolder
+from dataplane.sync.link import ControlPlaneClient
+from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState, other_layouts
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -2187,3 +2190,159 @@ def test_a_request_for_n_completions_is_charged_n_expected_and_teaches_one() -> 
     tight = limiter_at_noon(ScopeLimits(tokens_per_day=10_000))
     burst = [tight.admit([SCOPE], 10, 1.0, choices=8) for _ in range(8)]
     assert sum(a.ok for a in burst) == 10_000 // (10 + 8 * int(FIRST_COMPLETION)) == 4
+
+
+# ---------------------------------------------------------------- --workers changed
+
+
+def layout_process(
+    root: Path, epoch: float, index: int | None, workers: int
+) -> tuple[RateLimiter, QuotaState]:
+    """Worker `index` of a proxy "p1" started with `--workers workers` and
+    `--state-dir root` (None: `--workers 1`), as dataplane.settings.as_worker
+    names and places it, the leader away."""
+    name = "p1" if index is None else worker_name("p1", index, workers)
+    state_dir = root if index is None else root / f"w{index}"
+    limiter = RateLimiter(epoch=epoch)
+    state = QuotaState(
+        limiter,
+        state_dir,
+        clock=lambda: 1.0,
+        wall=lambda: NOON,
+        proxy=name,
+        others=other_layouts(state_dir, index, workers),
+    )
+    state.load_saved()
+    state.on_limits({SCOPE: BUDGET})
+    return limiter, state
+
+
+def through_a_replica(ledger: Ledger | None, reports: dict[str, list[pb.ScopeDemand]]) -> Ledger:
+    """One round of `reports` (proxy name -> its report), as a replica
+    writes them for the leader and the leader counts them (QuotaHub.report,
+    Rebalancer._account)."""
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=0.001)
+    for proxy, rows in reports.items():
+        hub.report(proxy, rows)
+    written = orjson.loads(orjson.dumps(hub._report_body()))["proxies"]
+    demand = {p: {s: _demand_of(v) for s, v in by.items()} for p, by in written.items()}
+    counts = {p: d.spent for p, by in demand.items() if (d := by.get(SCOPE)) and d.spent}
+    closed = {p: d.closed for p, by in demand.items() if (d := by.get(SCOPE)) and d.closed}
+    return account(ledger, counts, DAY, closed)
+
+
+def test_a_workers_change_reports_the_old_names_last_counts_under_their_names_once(
+    tmp_path: Path,
+) -> None:
+    """Trial 90: 290 tokens to `--workers 1`, restarted with `--workers 4`:
+    the ledger rose by 175, the other 115 (the last report interval, saved as
+    it stopped) only once `--workers 1` came back. The new layout's worker 0
+    carries the names gone (the single one's, slots past N) under their
+    names; then 4 -> 2 and 2 -> 1, each counted once."""
+    single, state = layout_process(tmp_path, 7.0, None, 1)
+    single.admit([SCOPE], 175, 1.0, most=0)
+    ledger = through_a_replica(None, {"p1": state.demand()})
+    single.admit([SCOPE], 115, 1.0, most=0)  # the last interval, unreported
+    stop(state)
+    spent_so_far = 290
+
+    def layout(epoch: float, workers: int, spend: int) -> list[QuotaState]:
+        nonlocal ledger, spent_so_far
+        procs = [layout_process(tmp_path, epoch + i, i, workers) for i in range(workers)]
+        for limiter, _ in procs:
+            limiter.admit([SCOPE], spend, 1.0, most=0)
+        for _ in range(2):  # reported again: changes nothing
+            rounds = {s._proxy: s.demand() for _, s in procs}
+            ledger = through_a_replica(ledger, rounds)
+        for limiter, _ in procs:
+            limiter.admit([SCOPE], spend, 1.0, most=0)  # unreported
+        spent_so_far += 2 * spend * workers
+        for _, s in procs:
+            stop(s)
+        return [s for _, s in procs]
+
+    layout(10.0, 4, 10)  # 1 -> 4
+    assert ledger.used()[0] == 290 + 4 * 10  # the 115 too, and once
+    layout(20.0, 2, 20)  # 4 -> 2: w2 and w3's last 10 each carried by w0
+    assert ledger.used()[0] == spent_so_far - 2 * 20
+    layout(30.0, 3, 5)  # 2 -> 3: no name gone
+    assert ledger.used()[0] == spent_so_far - 3 * 5
+    # 3 -> 1: the single one goes on from its own counts (epoch 7) and
+    # carries every worker's.
+    _, state = layout_process(tmp_path, 40.0, None, 1)
+    for _ in range(2):
+        ledger = through_a_replica(ledger, {"p1": state.demand()})
+    assert ledger.used() == (spent_so_far, spent_so_far)
+    state.close()
+
+
+def test_only_worker_0_carries_the_names_gone_and_waits_while_one_runs(tmp_path: Path) -> None:
+    """Worker 0 of N carries the single process's directory and the slots
+    past N; the other workers none (each name's rows once). One whose
+    process still holds its counts reports them itself: taken once it stops."""
+    for index in (0, 1, 2):
+        (tmp_path / f"w{index}").mkdir()
+    (tmp_path / "w10").mkdir()
+    (tmp_path / "w01").mkdir()  # no slot's
+    assert other_layouts(tmp_path, None, 1) == [tmp_path / f"w{i}" for i in (0, 1, 2, 10)]
+    assert other_layouts(tmp_path / "w0", 0, 2) == [tmp_path, tmp_path / "w2", tmp_path / "w10"]
+    assert other_layouts(tmp_path / "w1", 1, 2) == []
+    old, old_state = layout_process(tmp_path, 7.0, 2, 3)  # p1-w2 of 3, still running
+    old.admit([SCOPE], 100, 1.0, most=0)
+    old_state.save_counts()
+    _, new_state = layout_process(tmp_path, 9.0, 0, 2)
+    assert SCOPE not in new_state._limiter.carried()
+    stop(old_state)
+    new_state.save_counts()
+    [row] = new_state.demand()
+    assert [(c.proxy, c.epoch, c.day_tokens) for c in row.closed] == [("p1-w2", 7.0, 100)]
+    new_state.save_counts()
+    # Saved for the process after it, apart from its own name's (a build
+    # before names would count them as its own).
+    saved = orjson.loads((tmp_path / "w0" / COUNTS_FILE).read_bytes())
+    assert saved["carried_of"] == {SCOPE: [["p1-w2", 7.0, DAY, 100.0, 100.0]]}
+    assert "carried" not in saved
+    new_state.close()
+    # Two names' processes that started at one instant are two rows.
+    limiter = limiter_at_noon()
+    limiter.carry({SCOPE: [Spent(1.0, DAY, 10, 10, "p1-w0"), Spent(1.0, DAY, 20, 20, "p1-w1")]})
+    assert len(limiter.carried()[SCOPE]) == 2
+
+
+def test_another_names_rows_go_only_to_a_replica_that_takes_them() -> None:
+    """A replica from before SpentCount.proxy would count them as the
+    reporter's own: twice."""
+    demand = pb.ScopeDemand(scope=SCOPE, spent_epoch=9.0, spent_day=DAY, day_tokens=5)
+    demand.closed.add(epoch=7.0, day=DAY, day_tokens=50, month_tokens=50)
+    demand.closed.add(epoch=8.0, day=DAY, day_tokens=60, month_tokens=60, proxy="p1")
+    client = ControlPlaneClient(
+        TableHolder("us-east", None),
+        ["127.0.0.1:1"],
+        pb.ProxyInfo(name="p1-w0"),
+        demand=lambda: [pb.ScopeDemand.FromString(demand.SerializeToString())],
+    )
+    [row] = client.report("s").demand
+    assert [c.epoch for c in row.closed] == [7.0]
+    client._named_counts = True  # RegisterResponse.takes_named_counts
+    [row] = client.report("s").demand
+    assert [(c.epoch, c.proxy) for c in row.closed] == [(7.0, ""), (8.0, "p1")]
+
+
+def test_a_replica_writes_another_names_rows_under_that_name_of_the_same_proxy() -> None:
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=0.001)
+    carrying = pb.ScopeDemand(scope=SCOPE, spent_epoch=9.0, spent_day=DAY, day_tokens=5)
+    carrying.closed.add(epoch=7.0, day=DAY, day_tokens=50, month_tokens=50, proxy="p1")
+    carrying.closed.add(epoch=6.0, day=DAY, day_tokens=70, month_tokens=70, proxy="p1-w3")
+    carrying.closed.add(epoch=5.0, day=DAY, day_tokens=90, month_tokens=90, proxy="p2")
+    hub.report("p1-w0", [carrying])
+    hub.report("p1-w3", [pb.ScopeDemand(scope=SCOPE, requests_per_s=2.0)])  # it runs here too
+    body = hub._report_body()
+    rows = {p: _demand_of(by[SCOPE]) for p, by in body["proxies"].items()}
+    assert rows["p1-w0"].closed == ()
+    assert rows["p1"].closed == (spent(7.0, 50, 50),) and rows["p1"].spent is None
+    assert rows["p1-w3"].requests_per_s == 2.0
+    assert rows["p1-w3"].closed == (spent(6.0, 70, 70),)
+    assert "p2" not in rows  # another proxy's name: not this one's to report
+    assert "p1" not in body["heard"]
+    hub.forget("p1-w0")
+    assert set(hub._report_body()["proxies"]) == {"p1-w3"}
