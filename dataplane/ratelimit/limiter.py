@@ -176,7 +176,8 @@ CLOSED_REPORTS = 600
 # reload every few minutes carried one more row each, and reset the window of
 # all of them (review 311: 40 rows in every report after 40 reloads). Past it
 # the oldest processes' rows go (the leader had them for ten minutes at least
-# unless cut off all that time: then their last interval is lost).
+# unless cut off all that time: then their last interval is lost). Each name
+# (Spent.proxy) has its own: `--workers 1` after `--workers 16` carries 16.
 MAX_CARRIED = 8
 
 
@@ -806,8 +807,13 @@ class RateLimiter:
                 had = newest.get((s.proxy, s.epoch, s.day))
                 if had is None or s.month_tokens >= had.month_tokens:
                     newest[(s.proxy, s.epoch, s.day)] = s
-            kept = sorted(newest.values(), key=lambda s: (s.epoch, s.day, s.proxy))[-MAX_CARRIED:]
-            self._carried[name] = kept
+            by_name: dict[str, list[Spent]] = {}
+            for s in sorted(newest.values(), key=lambda s: (s.epoch, s.day)):
+                by_name.setdefault(s.proxy, []).append(s)
+            self._carried[name] = sorted(
+                (s for rows in by_name.values() for s in rows[-MAX_CARRIED:]),
+                key=lambda s: (s.epoch, s.day, s.proxy),
+            )
         self._carried_reports = CLOSED_REPORTS
 
     def carried(self) -> dict[str, list[Spent]]:

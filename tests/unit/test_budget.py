@@ -2303,10 +2303,16 @@ def test_only_worker_0_carries_the_names_gone_and_waits_while_one_runs(tmp_path:
     assert saved["carried_of"] == {SCOPE: [["p1-w2", 7.0, DAY, 100.0, 100.0]]}
     assert "carried" not in saved
     new_state.close()
-    # Two names' processes that started at one instant are two rows.
+    # Two names' processes that started at one instant are two rows; and
+    # the bound on them is each name's (`--workers 1` after 16 carries 16).
     limiter = limiter_at_noon()
     limiter.carry({SCOPE: [Spent(1.0, DAY, 10, 10, "p1-w0"), Spent(1.0, DAY, 20, 20, "p1-w1")]})
     assert len(limiter.carried()[SCOPE]) == 2
+    limiter.carry({SCOPE: [Spent(2.0, DAY, 1, 1, f"p1-w{i}") for i in range(16)]})
+    limiter.carry({SCOPE: [spent(float(e), 1, 1) for e in range(3, 13)]})
+    rows = limiter.carried()[SCOPE]
+    assert len(rows) == 2 + 16 + MAX_CARRIED
+    assert [s.epoch for s in rows if not s.proxy] == [float(e) for e in range(5, 13)]
 
 
 def test_another_names_rows_go_only_to_a_replica_that_takes_them() -> None:
