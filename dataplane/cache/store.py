@@ -7,6 +7,7 @@ suspends. Any implementation must pass tests/unit/test_cache_store.py::TestContr
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import heapq
 import sys
@@ -18,17 +19,17 @@ from typing import Final, Literal, Protocol
 from dataplane.cache.entry import CachedResponse
 
 # What the process holds for each entry beyond the entry's own size: the key
-# string, the slot tuple, the index entries (LRU order, tenant and model sets,
-# expiry heap), the allocator's and the tables' slack, and the fragmentation
-# that evicting and replacing entries leaves. Set from RSS, not from
-# tracemalloc (which sees about 480 B of it), so that `--cache-max-mb` bounds
-# what the cache adds to the process (issue 17). bench/entry_rss.py measures
-# it, a full store that evicted five times its entries for new keys, each
-# answer and request naming its model in a string of its own, as under load:
-# RSS 1,473 / 1,925 / 3,268 B per entry for answers of 300 / 900 / 2,200
-# characters, counted with this 1,779 / 2,378 / 3,678 B (13-24 % over: room for
-# the fragmentation a longer load adds, and for what the load itself holds
-# beside a full cache; bench/memory.py: peak RSS within bound + base).
+# string, the slot tuple, the index entries (LRU order, expiry heap), the
+# allocator's and the tables' slack, and the fragmentation that evicting and
+# replacing entries leaves. Set from RSS, not from tracemalloc (which sees
+# about 480 B of it), so that `--cache-max-mb` bounds what the cache adds to
+# the process (issue 17). bench/entry_rss.py measures it, a full store that
+# evicted five times its entries for new keys, each answer and request naming
+# its model in a string of its own, as under load: RSS 1,254 / 1,777 / 2,988 B
+# per entry for answers of 300 / 900 / 2,200 characters, counted with this
+# 1,779 / 2,378 / 3,678 B (23-42 % over: room for the fragmentation a longer
+# load adds, and for what the load itself holds beside a full cache;
+# bench/memory.py: peak RSS within bound + base).
 SLOT_OVERHEAD = 900
 # Stale expiry pairs (of entries evicted, deleted or replaced) the heap may hold
 # beyond a quarter of the live entries before it is rebuilt. A stale pair keeps
@@ -38,6 +39,12 @@ SLOT_OVERHEAD = 900
 # thousand puts, 1 MB at 6,600 entries, in the semantic soak). A rebuild costs
 # O(entries) once per entries/4 puts, still amortised O(1) per put.
 STALE_EXPIRY_SLACK = 64
+# Entries a purge by tenant or model looks at before it lets the event loop
+# run. It reads each slot's scope rather than keep per-tenant and per-model key
+# sets at every put (some 1,900 instructions a put, and two set entries an
+# entry): on a store of 600,000 entries a slice held the loop 15 ms at most
+# (the first, which lists the keys: 8 B an entry, for the purge's time).
+PURGE_SLICE = 8192
 
 
 class EvictReason(enum.StrEnum):
@@ -142,10 +149,15 @@ EvictListener = Callable[[str, EvictReason], None]
 class ExactStore:
     """In-memory CacheStore: LRU bounded by bytes, a TTL per entry.
 
-    One per proxy process, owned by the app. Every method runs without
-    suspending, so it is atomic for the tasks of the event loop it is used from;
-    it is not thread-safe. `clock` gives seconds on any fixed origin (inject
-    time.monotonic, or a fake in tests); TTLs are measured on it.
+    One per proxy process, owned by the app. Every method but purge() runs
+    without suspending, so it is atomic for the tasks of the event loop it is
+    used from; it is not thread-safe. A purge by tenant or model of a store of
+    more than PURGE_SLICE entries lets the loop run between slices: it drops
+    the scope's entries held when it began (and an entry put meanwhile under
+    one of their keys, if its slice is yet to come), and the store is
+    consistent, counted and told at each pause. `clock` gives seconds on any
+    fixed origin (inject time.monotonic, or a fake in tests); TTLs are
+    measured on it.
 
     `on_evict(key, reason)` is called after an entry has left the store for any
     reason (not when it is replaced under the same key), once the store is
@@ -175,8 +187,6 @@ class ExactStore:
         self.on_evict = on_evict
         self.reserved: Callable[[], int] = _nothing_reserved
         self._entries: OrderedDict[str, _Slot] = OrderedDict()
-        self._by_tenant: dict[str, set[str]] = {}
-        self._by_model: dict[str, set[str]] = {}
         # (expires_at, key) of every put; stale pairs (entry replaced or gone)
         # are skipped when popped, and the heap is rebuilt when they outnumber a
         # quarter of the entries (STALE_EXPIRY_SLACK).
@@ -267,17 +277,7 @@ class ExactStore:
         # The model as each request named it, a string parsed from its body:
         # one a name, as for the entry's own model (CachedResponse). The
         # tenant's name is the route table's, already one a tenant.
-        model = sys.intern(model)
-        entries[key] = (entry, tenant, model, expires_at)
-        # One set per tenant and model, made at its first entry only.
-        keys = self._by_tenant.get(tenant)
-        if keys is None:
-            keys = self._by_tenant[tenant] = set()
-        keys.add(key)
-        keys = self._by_model.get(model)
-        if keys is None:
-            keys = self._by_model[model] = set()
-        keys.add(key)
+        entries[key] = (entry, tenant, sys.intern(model), expires_at)
         self._bytes += cost
         heapq.heappush(heap, (expires_at, key))
         reserved = self.reserved()  # nothing between here and the check changes it
@@ -327,20 +327,39 @@ class ExactStore:
         return True
 
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
-        keys: list[str]
-        if tenant is not None and model is not None:
-            keys = list(self._by_tenant.get(tenant, set()) & self._by_model.get(model, set()))
-        elif tenant is not None:
-            keys = list(self._by_tenant.get(tenant, ()))
-        elif model is not None:
-            keys = list(self._by_model.get(model, ()))
-        else:
-            keys = list(self._entries)
-        for key in keys:
-            self._remove(key)
-        self._purged += len(keys)
-        self._notify(keys, EvictReason.PURGED)
-        return len(keys)
+        entries = self._entries
+        if tenant is None and model is None:
+            keys = list(entries)
+            for key in keys:
+                self._remove(key)
+            self._purged += len(keys)
+            self._notify(keys, EvictReason.PURGED)
+            return len(keys)
+        # The dict's own keys, in the order they were first put: an
+        # OrderedDict's iterator finds each key's node by a lookup of its own,
+        # some 0.2-1.5 us a key on a large store, ten times this. A purge
+        # tells its keys in no order of its contract.
+        held = list(dict.keys(entries))
+        dropped = 0
+        for start in range(0, len(held), PURGE_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            gone: list[str] = []
+            for key in held[start : start + PURGE_SLICE]:
+                slot = entries.get(key)
+                if (
+                    slot is not None
+                    and (tenant is None or slot[1] == tenant)
+                    and (model is None or slot[2] == model)
+                ):
+                    self._remove(key)
+                    gone.append(key)
+            # Counted and told at each slice, so that a scrape or a lookup
+            # between two sees a store consistent with its listener.
+            self._purged += len(gone)
+            dropped += len(gone)
+            self._notify(gone, EvictReason.PURGED)
+        return dropped
 
     def sweep(self) -> int:
         """Drop every expired entry now; how many. put() does this too, so an
@@ -380,10 +399,8 @@ class ExactStore:
         heapq.heapify(heap)
 
     def _remove(self, key: str) -> None:
-        entry, tenant, model, _ = self._entries.pop(key)
+        entry = self._entries.pop(key)[0]
         self._bytes -= entry.size + len(key) + SLOT_OVERHEAD  # as put_now counted it
-        _discard(self._by_tenant, tenant, key)
-        _discard(self._by_model, model, key)
 
     def _notify(self, keys: list[str], reason: EvictReason) -> None:
         listener = self.on_evict
@@ -394,11 +411,3 @@ class ExactStore:
 
 def _nothing_reserved() -> int:
     return 0
-
-
-def _discard(index: dict[str, set[str]], name: str, key: str) -> None:
-    keys = index.get(name)
-    if keys is not None:
-        keys.discard(key)
-        if not keys:
-            del index[name]
