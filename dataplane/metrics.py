@@ -761,6 +761,10 @@ class Metrics:
             ["result", "kind"],
             registry=r,
         )
+        # 0 from the start, for rate() and for a hit ratio's alert: a series
+        # first seen at its first hit (coalesced ones are rare) reads as absent.
+        for result, kind in (("hit", "exact"), ("miss", "exact"), ("hit", "coalesced")):
+            self.cache_requests.labels(result, kind)
         self.cache_unkept = Counter(
             "ponto_cache_unkept",
             "200 answers of cacheable requests that were not kept: too_large (over "
