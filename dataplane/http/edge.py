@@ -231,7 +231,8 @@ class ConnectionCaps:
 
     def waiting(self, conn: EdgeProtocol, address: str) -> None:
         """`conn` waits for a request from now: the newest to evict."""
-        self.busy(conn, address)
+        if conn in self._waiting:  # rare: `busy`'s call spared the usual answer
+            self.busy(conn, address)
         self._waiting[conn] = None
         self._waiting_at.setdefault(address, {})[conn] = None
 

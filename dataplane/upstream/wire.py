@@ -568,7 +568,7 @@ class OriginResponse:
     idempotent.
     """
 
-    __slots__ = ("_conn", "_pool", "_tenant", "content", "headers", "status")
+    __slots__ = ("_conn", "_pool", "_tenant", "content", "content_type", "headers", "status")
 
     def __init__(
         self,
@@ -583,15 +583,13 @@ class OriginResponse:
         it is released or closed (None: counted nowhere)."""
         self.status = status
         self.headers = headers
+        # The media type, lower case, without parameters ("" when absent): a
+        # slot, not a property (a Python call each read, some 640 instructions).
+        self.content_type = media_type(headers)
         self.content = content
         self._conn: OriginConnection | None = conn
         self._pool = pool
         self._tenant = tenant
-
-    @property
-    def content_type(self) -> str:
-        """The media type, lower case, without parameters ("" when absent)."""
-        return media_type(self.headers)
 
     def time_reads(self, read_timeout: float | None) -> None:
         """From now, `read_timeout` seconds without a byte of the body fail
