@@ -312,7 +312,7 @@ def returned_status(ex: Exchange | None, response: web.StreamResponse) -> int:
     cancels the handler first."""
     if ex is not None and ex.stream_error in (CLIENT_GONE, SEND_TIMEOUT):
         return CLIENT_CLOSED
-    return response.status
+    return response._status  # aiohttp's status property's: a Python call on 3.11
 
 
 def cut_for_stalling(request: web.Request) -> bool:
