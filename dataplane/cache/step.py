@@ -282,6 +282,8 @@ class CachePlan:
         """x-ponto-cache-reason: `said_reason`, else (a stream's headers go
         out before its answer is known) why its key's last answer was not
         kept (trial: a repeat of a stream too large to keep was a plain miss)."""
+        if not (self.reason or self.unkept or self.foreseen):
+            return ""  # the usual miss: said_reason's call (and its lookup) spared
         said = self.said_reason
         if self.foreseen and (not said or (self.reason == _TOOLS and not self.unkept)):
             # As for an answer not kept: the repeats of this key miss too.
