@@ -18,6 +18,7 @@ from aiohttp.web_urldispatcher import PlainResource
 
 from dataplane.geo.clientip import TrustedProxies, client_ip
 from dataplane.http import accesslog
+from dataplane.http.dispatch import FixedInfo
 from dataplane.http.edge import EdgeProtocol
 from dataplane.http.errors import (
     MODEL_NOT_FOUND_CODE,
@@ -98,7 +99,10 @@ def error_boundary(
     async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
         # All in this one frame: each frame in the request's chain of awaits
         # costs some 900 instructions a wait.
-        endpoint = request.match_info.route.name or "other"
+        info = request.match_info
+        # A fixed route's name as FixedRoutes read it once (FixedInfo).
+        name = info.route_name if type(info) is FixedInfo else info.route.name
+        endpoint = name or "other"
         counted = endpoint not in accesslog.PROBES
         if counted:
             key = id(request)

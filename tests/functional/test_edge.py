@@ -177,6 +177,12 @@ async def test_the_proxys_fixed_routes_skip_the_router_and_answer_as_through_it(
     assert missing.status == 404 and missing.error()["code"] == "not_found"
     writer.close()
     assert edge.origin_requests() == 1
+    # Counted under their routes' names: a fixed route's as FixedRoutes read it.
+    registry = edge.runner.app[METRICS].registry
+    assert [
+        registry.get_sample_value("ponto_requests_total", {"endpoint": name, "code": code})
+        for name, code in (("chat.completions", "200"), ("other", "404"))
+    ] == [1, 1]
 
 
 # ---------------------------------------------------------------- deadlines
