@@ -27,6 +27,7 @@ from dataplane.http.edge import (
     EdgeProtocol,
     EdgeRunner,
     HeadTooLarge,
+    WholeAnswer,
     _has_prepare_hooks,
     default_max_connections,
     descriptors_short,
@@ -396,6 +397,52 @@ def test_the_one_write_answer_and_the_lazy_timers_rely_on_aiohttp_internals_that
         assert name in BaseProtocol.__slots__ or hasattr(BaseProtocol, name), name
     for name in ("feed_data", "feed_eof", "pause_reading"):
         assert hasattr(HttpResponseParser, name), name
+
+
+async def test_the_fields_read_for_aiohttp_properties_are_what_the_properties_give() -> None:
+    # The edge, the pipeline's sent_now and the error boundary read these
+    # fields in place of aiohttp's properties (each a Python call on 3.11):
+    # status and reason (the status line, the metrics' and access log's
+    # status), keep_alive (whether the connection stays open), prepared (who
+    # writes the answer, whether the boundary still sets its headers) and
+    # the request's protocol. hasattr alone would pass an aiohttp whose
+    # property came to compute something else; each getter must still be
+    # the field, for the answers that reach the edge (web.Response, ours).
+    getters = (
+        (web.StreamResponse, "status", "return self._status"),
+        (web.StreamResponse, "reason", "return self._reason"),
+        (web.StreamResponse, "keep_alive", "return self._keep_alive"),
+        (
+            web.StreamResponse,
+            "prepared",
+            "return self._eof_sent or self._payload_writer is not None",
+        ),
+        (web.BaseRequest, "protocol", "return self._protocol"),
+    )
+    for owner, name, body in getters:
+        prop = vars(owner)[name]
+        assert isinstance(prop, property), name
+        assert prop.fget is not None, name
+        source = inspect.getsource(prop.fget).strip().splitlines()
+        assert source[-1].strip() == body, (aiohttp.__version__, source)
+    for cls in (web.Response, WholeAnswer, web.HTTPException):
+        for name in ("status", "reason", "keep_alive", "prepared"):
+            assert inspect.getattr_static(cls, name) is vars(web.StreamResponse)[name], (cls, name)
+    assert inspect.getattr_static(web.Request, "protocol") is vars(web.BaseRequest)["protocol"]
+    # And as they behave: set, forced, prepared.
+    response = web.Response(body=b"x")
+    response.set_status(418, "Short and stout")
+    assert (response._status, response._reason) == (418, "Short and stout")
+    assert (response.status, response.reason) == (418, "Short and stout")
+    assert (response._keep_alive, response.keep_alive) == (None, None)
+    response.force_close()
+    assert (response._keep_alive, response.keep_alive) == (False, False)
+    request = make_mocked_request("GET", "/")
+    assert request._protocol is request.protocol
+    assert (response._payload_writer, response._eof_sent, response.prepared) == (None, False, False)
+    await response.prepare(request)
+    w = request._payload_writer
+    assert (response._payload_writer, response._eof_sent, response.prepared) == (w, False, True)
 
 
 # ---------------------------------------------------------------- flags
