@@ -1,8 +1,9 @@
 """Where exact-cache entries live: a `CacheStore` protocol and its in-memory form.
 
 The protocol is async so that a shared store (dataplane.cache.regionstore, on
-Redis) sits behind it without changing callers; `ExactStore` never actually
-suspends. Any implementation must pass tests/unit/test_cache_store.py::TestContract.
+Redis) sits behind it without changing callers; `ExactStore` suspends only in a
+purge by tenant or model of more than PURGE_SLICE entries, between its slices.
+Any implementation must pass tests/unit/test_cache_store.py::TestContract.
 """
 
 from __future__ import annotations
