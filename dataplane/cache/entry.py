@@ -465,10 +465,27 @@ class StreamRecorder:
 
     def read(self, events: Sequence[Event]) -> None:
         """Record each of `events`, in order: one call a read (a ReadSink's,
-        given a relayed read's events at once), not one an event."""
+        given a relayed read's events at once), not one an event; runs of
+        unnamed ones as `datas` records them."""
+        run: list[bytes] = []
+        for ev in events:
+            if not ev.name:
+                run.append(ev.data)
+                continue
+            if run:
+                self.datas(run)
+                run = []
+            self._record(ev)
+        if run:
+            self.datas(run)
+
+    def datas(self, payloads: list[bytes]) -> None:
+        """Record an unnamed event of each of `payloads`, in order (a
+        DataSink's: the relay gives a read's plain events so, with no Event
+        made for each)."""
         like = self._like if self.reason is None and not self._done else None
         size, bound, kept = self._size, self._max_bytes, self._chunks
-        for ev in events:
+        for payload in payloads:
             if like is not None:
                 # The chunk `head` and `tail` were cut from (`_around_text`)
                 # with another text in its delta, a JSON string without `\\u`
@@ -477,15 +494,12 @@ class StreamRecorder:
                 # kept as that chunk was, unparsed (most chunks of a vLLM
                 # stream differ in their text alone; an OpenAI stream's
                 # `obfuscation` differs too, and is parsed). A few C calls,
-                # inline: this runs per chunk. A named event goes to
-                # `_record` (the same chunk kept, or an error event refused);
-                # an empty one, or [DONE], has not `head`.
+                # inline: this runs per chunk. An empty one, or [DONE], has
+                # not `head`, and goes to `_record`.
                 head, tail, start, after = like
-                payload = ev.data
                 end = len(payload) - after
                 if (
-                    not ev.name
-                    and end >= start
+                    end >= start
                     and payload[:start] == head  # slices: startswith parses arguments
                     and payload[end:] == tail
                     and _TEXT_BODY.fullmatch(payload, start, end) is not None
@@ -500,7 +514,7 @@ class StreamRecorder:
                     kept.append(payload)
                     continue
             self._size = size
-            self._record(ev)
+            self._record(Event(payload))
             size = self._size
             like = self._like if self.reason is None and not self._done else None
         self._size = size

@@ -65,7 +65,7 @@ import aiohttp
 
 from dataplane import jsonio
 from dataplane.streaming.splice import ERROR_EVENT, is_error_event
-from dataplane.streaming.sse import Event, SseParser
+from dataplane.streaming.sse import DONE, Event, SseParser
 from dataplane.timer import IdleTimeout
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES
 
@@ -73,6 +73,7 @@ __all__ = [
     "ERROR_EVENT",
     "STALL_CUTS",
     "ChunkSink",
+    "DataSink",
     "Ending",
     "EventSink",
     "Next",
@@ -105,6 +106,15 @@ class ReadSink(EventSink, Protocol):
     def read(self, events: list[Event]) -> None:
         """`event` of each of `events`, in order: one call a read, not one an
         event (dataplane.streaming.splice.Transcript)."""
+        ...
+
+
+class DataSink(EventSink, Protocol):
+    def datas(self, datas: list[bytes]) -> None:
+        """`event` of an unnamed event of each of `datas`, in order, none
+        `[DONE]` and none holding a `"usage"` key (nor, from the relay, the
+        word `error`): the events relay gives a read's plain events so, with
+        no Event made for each, when every reader has this method."""
         ...
 
 
@@ -170,7 +180,9 @@ class Trim(Protocol):
     def __call__(self, data: bytes) -> bytes | None:
         """What the client is shown of an event's `data` (its readers, and
         the ending hooks, have the event as it came): `data` itself
-        (nearly always), other bytes, or None for nothing of the event
+        (nearly always, and always for `data` without a `"usage"` key: the
+        events relay does not ask about those of a read's plain events),
+        other bytes, or None for nothing of the event
         (dataplane.streaming.usage.for_unasked)."""
         ...
 
@@ -548,12 +560,43 @@ async def _relay_events(
     eof = False  # the stream's end is being written: nothing more may be
     quiet_until = float("-inf")  # no keep-alive is written before (`clock`)
     by_read, by_event = _by_read(readers)
+    # Every reader's `datas` (DataSink's), or None when one has none.
+    by_datas = _by_datas(readers)
     try:
         while True:
             cut = ""
             too_long = 0  # the bound, when an event passing it made the cut
             frames: list[bytes] = []
-            events = parser.feed(chunk)
+            # The read's leading plain events' bytes (below), and where
+            # the rest starts.
+            at = 0
+            datas = parser.plain(chunk) if by_datas is not None else None
+            if datas is None:
+                events = parser.feed(chunk)
+            elif rewrite is not None or chunk.find(b"error") >= 0:
+                events = [Event(data, b"", len(data) + 7) for data in datas]
+            else:
+                # Whole one-line events, free of errors, going on unchanged:
+                # those before the first that may be the usage chunk or
+                # [DONE] (nearly all: one search of the read for each) are
+                # plain, each what `event` would take as a content delta,
+                # its trim showing it as it came. Its readers are given their
+                # data at once; no Event is made for each, and none is
+                # looked at by itself again. The rest go as below.
+                special = chunk.find(b'"usage"')
+                found = chunk.find(DONE)
+                if special < 0 or 0 <= found < special:
+                    special = found
+                # The events before `special` each end with the read's only
+                # blank lines before it.
+                count = len(datas) if special < 0 else chunk.count(b"\n\n", 0, special)
+                if count:
+                    plain = datas[:count] if count < len(datas) else datas
+                    for take in by_datas or ():
+                        take(plain)
+                    at = len(chunk) if special < 0 else chunk.rfind(b"\n\n", 0, special) + 2
+                    last = Event(plain[-1], b"", len(plain[-1]) + 7)
+                events = [Event(data, b"", len(data) + 7) for data in datas[count:]]
             # A chunk of whole one-line events, which is what framing each
             # would make of it, is written as it came while its events go
             # on unchanged (nearly always): not framed event by event.
@@ -565,10 +608,10 @@ async def _relay_events(
             # Such a read, free of errors, reaches the client whole: its
             # readers that take a read at once are given it so.
             each = by_event if not errors else readers
-            if not errors:
+            if not errors and events:
                 for read in by_read:
                     read(events)
-            if events and idle is not None:
+            if (events or at) and idle is not None:
                 # The idle timeout counts from the last event, not from the
                 # last byte: an origin's comments (which the client is sent a
                 # keep-alive for) keep no stalled stream open (trial 65: one
@@ -597,7 +640,7 @@ async def _relay_events(
                     elif errors and data.find(b"error", 0, 48) >= 0 and is_error_event(data):
                         cut = ERROR_EVENT
                         if verbatim:
-                            frames = _before(chunk, events, ev)
+                            frames = _before(chunk, events, ev, at)
                         break
                 for reader in each:
                     reader.event(ev)
@@ -607,7 +650,7 @@ async def _relay_events(
                     done = True
                 if trim is not None and (shown := trim(data)) is not data:
                     if verbatim:
-                        frames = _before(chunk, events, ev)
+                        frames = _before(chunk, events, ev, at)
                         verbatim = False
                     if shown is None:
                         continue
@@ -738,6 +781,17 @@ def _by_read(
         else:
             by_read.append(read)
     return by_read, by_event
+
+
+def _by_datas(readers: Sequence[EventSink]) -> list[Callable[[list[bytes]], None]] | None:
+    """`readers`' `datas` methods (DataSink's), None when one has none."""
+    by_datas: list[Callable[[list[bytes]], None]] = []
+    for reader in readers:
+        take = getattr(reader, "datas", None)
+        if take is None:
+            return None
+        by_datas.append(take)
+    return by_datas
 
 
 def _client_left(end: RelayEnd) -> None:
@@ -923,11 +977,10 @@ def _comments(chunk: bytes) -> bool:
     return chunk[:1] == b":" or b"\n:" in chunk or b"\r:" in chunk
 
 
-def _before(chunk: bytes, events: list[Event], ev: Event) -> list[bytes]:
+def _before(chunk: bytes, events: list[Event], ev: Event, at: int = 0) -> list[bytes]:
     """The frames of `events` before `ev`, of a chunk that is its events
-    framed (SseParser.verbatim): its bytes up to `ev`'s, each event's
-    `size` and its blank line's LF."""
-    at = 0
+    framed (SseParser.verbatim) from `at`: its bytes up to `ev`'s, each
+    event's `size` and its blank line's LF."""
     for before in events:
         if before is ev:
             break

@@ -140,6 +140,24 @@ class Transcript:
             budget.held += size
         self.events += datas
 
+    def datas(self, datas: list[bytes]) -> None:
+        """`event` of an unnamed event of each of `datas`, none `[DONE]`
+        (a DataSink's): as `read` adds them."""
+        if self.overflow:
+            return
+        size = sum(map(len, datas))
+        budget = self._budget
+        if self._size + size > MAX_TRANSCRIPT_BYTES or (
+            budget is not None and budget.held + size > budget.limit
+        ):
+            for data in datas:
+                self.event(Event(data))
+            return
+        self._size += size
+        if budget is not None:
+            budget.held += size
+        self.events += datas
+
     def _stop(self, bound: str) -> None:
         self.overflow = bound
         self.events = []

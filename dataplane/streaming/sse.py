@@ -133,36 +133,11 @@ class SseParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events that `chunk` completes, in order (see `over`)."""
-        self.verbatim = False
+        datas = self.plain(chunk)
+        if datas is not None:
+            return [Event(data, b"", len(data) + 7) for data in datas]
         if not chunk or self.over:
             return []
-        if (
-            chunk.endswith(b"\n\n")
-            and chunk.startswith(b"data: ")
-            and not (
-                self._line or self._data or self._name or self._cr or self._size or self._start
-            )
-            and chunk.find(b"\r") < 0
-            and not (self._limit and len(chunk) - 1 > self._limit)
-        ):
-            # Most chunks of a stream: whole events of one data line each,
-            # with nothing pending (not even a line counted in the event's
-            # size, an `id:` split from its data). What the lines below make
-            # of them, in a few steps: one event (its only LFs its last two),
-            # or several, when every LF is of the blank line after each
-            # event's one line and every event after the first starts `data: `
-            # (split on a blank line and `data: `, no piece holds an LF:
-            # searched for in them joined, a memchr, not by a count of the
-            # chunk's LFs, which goes byte by byte).
-            if chunk.find(b"\n") == len(chunk) - 2:
-                self._start = None
-                self.verbatim = True
-                return [Event(chunk[6:-2], b"", len(chunk) - 1)]
-            datas = chunk[6:-2].split(b"\n\ndata: ")
-            if b"".join(datas).find(b"\n") < 0:
-                self._start = None
-                self.verbatim = True
-                return [Event(data, b"", len(data) + 7) for data in datas]
         if self._start is not None:
             chunk = self._start + chunk
             if len(chunk) < len(BOM) and BOM.startswith(chunk):
@@ -217,6 +192,43 @@ class SseParser:
                 elif name == b"event":
                     self._name = value
         return events
+
+    def plain(self, chunk: bytes) -> list[bytes] | None:
+        """The data of the events `chunk` completes when it is whole events
+        of one data line each (see `verbatim`, which it sets), the parser
+        then left as `feed` would leave it: what `feed` would make Events of
+        (each unnamed, its `size` its data's length and 7), without them.
+        None, nothing consumed, when it is not (then `feed` it)."""
+        self.verbatim = False
+        if (
+            chunk.endswith(b"\n\n")
+            and chunk.startswith(b"data: ")
+            and not (
+                self._line or self._data or self._name or self._cr or self._size or self._start
+            )
+            and not self.over
+            and chunk.find(b"\r") < 0
+            and not (self._limit and len(chunk) - 1 > self._limit)
+        ):
+            # Most chunks of a stream: whole events of one data line each,
+            # with nothing pending (not even a line counted in the event's
+            # size, an `id:` split from its data). What `feed`'s lines make
+            # of them, in a few steps: one event (its only LFs its last two),
+            # or several, when every LF is of the blank line after each
+            # event's one line and every event after the first starts `data: `
+            # (split on a blank line and `data: `, no piece holds an LF:
+            # searched for in them joined, a memchr, not by a count of the
+            # chunk's LFs, which goes byte by byte).
+            if chunk.find(b"\n") == len(chunk) - 2:
+                self._start = None
+                self.verbatim = True
+                return [chunk[6:-2]]
+            datas = chunk[6:-2].split(b"\n\ndata: ")
+            if b"".join(datas).find(b"\n") < 0:
+                self._start = None
+                self.verbatim = True
+                return datas
+        return None
 
     def close(self) -> Event | None:
         """At the end of the stream: the event it stopped inside, if any.

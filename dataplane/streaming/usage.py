@@ -435,6 +435,32 @@ class UsageCounter:
             if reasons and finished is not None:
                 finished.update(_finished_choices(data))
 
+    def datas(self, datas: list[bytes]) -> None:
+        """`event` of an unnamed event of each of `datas`, in order (a
+        DataSink's: the relay gives a read's plain events so), which holds
+        no `"usage"` key and is not `[DONE]`: only its bytes, its text and
+        its finish are looked at, one call a read."""
+        self.event_bytes += sum(map(len, datas))
+        self._keyless = datas[-1]
+        finishes, finished = self.finishes, self.finished
+        content_events = self.content_events
+        for data in datas:
+            # `event`'s text test, as there.
+            end = data.find(_CONTENT) + _CONTENT_SIZE
+            if (_CONTENT_SIZE <= end < len(data) and data[end] != 0x22) or _TEXT.search(data):
+                content_events += 1
+            elif is_error_event(data):
+                self.error_event = True
+            if (finishes is not None or finished is not None) and data.find(
+                b'"finish_reason"'
+            ) >= 0:
+                reasons = FINISH_REASON.findall(data)
+                if finishes is not None:
+                    finishes += reasons
+                if reasons and finished is not None:
+                    finished.update(_finished_choices(data))
+        self.content_events = content_events
+
     def unasked(self, data: bytes) -> bytes | None:
         """`for_unasked(data)`, a Trim: for the event this counter was given
         last (the relay gives its readers an event before its trim), without

@@ -1,0 +1,220 @@
+"""The events relay's plain reads (DataSink: a read's plain events given to
+its readers as their data, no Event made for each) against the path of one
+Event an event: the same client bytes, ending, counts, entry and transcript,
+whatever the stream and however it is cut into reads."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, cast
+
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.cache.entry import StreamRecorder
+from dataplane.streaming.relay import EventSink, Next, relay
+from dataplane.streaming.splice import Transcript, TranscriptBudget
+from dataplane.streaming.sse import Event
+from dataplane.streaming.usage import UsageCounter
+
+
+class Content:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = chunks
+
+    async def readany(self) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+
+class Out:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.ended = False
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def write_eof(self) -> None:
+        self.ended = True
+
+
+async def no_resume(cut: str, too_long: int) -> Next | None:
+    return None
+
+
+class EventsOnly:
+    """A reader as the relay sees it without its `datas`: every read goes
+    event by event (or by `read`), as before plain reads."""
+
+    def __init__(self, reader: Any) -> None:
+        self.event = reader.event
+        if hasattr(reader, "read"):
+            self.read = reader.read
+
+
+def chunk_of(**members: Any) -> bytes:
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return json.dumps({**head, **members}, separators=(",", ":")).encode()
+
+
+def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+TEXTS = st.sampled_from(
+    [" pong", "", "é", 'a "quoted" word', "\\u00e9", "[DONE]", "no error", "usage", "\n"]
+)
+
+
+@st.composite
+def event_block(draw: st.DrawFn) -> list[bytes]:
+    """One block's lines (without their endings)."""
+    kind = draw(
+        st.sampled_from(
+            ["content"] * 6
+            + ["role", "finish", "usage", "usage_null", "error", "named_error", "tool"]
+            + ["comment", "multiline", "id", "done", "spaced", "not_json"]
+        )
+    )
+    text = draw(TEXTS)
+    if kind == "content":
+        return [b"data: " + chunk_of(choices=[choice({"content": text})])]
+    if kind == "role":
+        return [b"data: " + chunk_of(choices=[choice({"role": "assistant", "content": ""})])]
+    if kind == "finish":
+        reason = draw(st.sampled_from(["stop", "length"]))
+        return [b"data: " + chunk_of(choices=[choice({}, reason)])]
+    if kind == "usage":
+        usage = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+        return [b"data: " + chunk_of(choices=[], usage=usage)]
+    if kind == "usage_null":
+        return [b"data: " + chunk_of(choices=[choice({"content": text})], usage=None)]
+    if kind == "error":
+        return [b'data: {"error":{"message":"overloaded"}}']
+    if kind == "named_error":
+        return [b"event: error", b'data: {"message":"x"}']
+    if kind == "tool":
+        call = {"index": 0, "function": {"arguments": text}}
+        return [b"data: " + chunk_of(choices=[choice({"tool_calls": [call]})])]
+    if kind == "comment":
+        return [b": ping"]
+    if kind == "multiline":
+        return [b"data: " + chunk_of(choices=[choice({"content": text})]), b"data: more"]
+    if kind == "id":
+        return [b"id: 7", b"data: " + chunk_of(choices=[choice({"content": text})])]
+    if kind == "done":
+        return [b"data: [DONE]"]
+    if kind == "spaced":
+        return [b"data:" + chunk_of(choices=[choice({"content": text})])]
+    return [b"data: {not json"]
+
+
+@st.composite
+def stream_reads(draw: st.DrawFn) -> list[bytes]:
+    """A stream's bytes cut into reads, mostly at its blocks' ends."""
+    blocks = draw(st.lists(event_block(), min_size=1, max_size=12))
+    if draw(st.booleans()):
+        blocks.append([b"data: [DONE]"])
+    crlf = draw(st.booleans()) and draw(st.booleans())
+    end = b"\r\n" if crlf else b"\n"
+    pieces = [end.join(lines) + end + end for lines in blocks]
+    data = b"".join(pieces)
+    cuts: set[int] = set()
+    at = 0
+    for piece in pieces[:-1]:
+        at += len(piece)
+        if draw(st.integers(0, 2)):
+            cuts.add(at)
+    cuts |= set(draw(st.lists(st.integers(1, max(1, len(data) - 1)), max_size=2)))
+    bounds = [0, *sorted(c for c in cuts if 0 < c < len(data)), len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def ending(last: Event | None, too_long: int) -> bytes:
+    """An ending that shows the last event relayed (and the bound)."""
+    return b"data: cut after " + (last.data if last is not None else b"-") + b"%d\n\n" % too_long
+
+
+async def relayed(reads: list[bytes], plain: bool, max_bytes: int, limit: int) -> dict[str, Any]:
+    counter = UsageCounter(finishes=[], finished=set())
+    recorder = StreamRecorder(store_truncated=True, max_bytes=max_bytes)
+    budget = TranscriptBudget(limit)
+    transcript = Transcript(budget)
+    readers: list[Any] = [counter, recorder, transcript]
+    if not plain:
+        readers = [EventsOnly(reader) for reader in readers]
+    out = Out()
+    end = await relay(
+        reads[0],
+        Content(list(reads[1:])),
+        cast(web.StreamResponse, out),
+        readers=cast(list[EventSink], readers),
+        error_event=ending,
+        resume=no_resume,
+        trim=counter.unasked,
+    )
+    entry = recorder.finish(now=0.0, open_event=end.open_event)
+    return {
+        "written": out.written,
+        "ended": out.ended,
+        "end": end,
+        "counted": (
+            counter.content_events,
+            counter.event_bytes,
+            counter.usage,
+            counter.error_event,
+            counter.finishes,
+            counter.finished,
+        ),
+        "entry": None
+        if entry is None
+        else (entry.chunks, entry.size, entry.usage_only, entry.usage_missing, entry.model),
+        "recorded": (recorder.reason, recorder.too_large),
+        "transcript": (transcript.events, transcript.overflow, budget.held, budget.dropped),
+    }
+
+
+@settings(max_examples=400)
+@given(
+    reads=stream_reads(),
+    max_bytes=st.sampled_from([1 << 20, 600]),
+    limit=st.sampled_from([1 << 20, 300]),
+)
+async def test_plain_reads_give_what_event_by_event_gives(
+    reads: list[bytes], max_bytes: int, limit: int
+) -> None:
+    assert await relayed(reads, True, max_bytes, limit) == await relayed(
+        reads, False, max_bytes, limit
+    )
+
+
+class Taking:
+    """A DataSink that notes how it was given each event."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, bytes]] = []
+
+    def event(self, ev: Event) -> None:
+        self.got.append(("event", ev.data))
+
+    def datas(self, datas: list[bytes]) -> None:
+        self.got += [("datas", data) for data in datas]
+
+
+async def test_a_reads_content_deltas_are_given_as_data_and_the_rest_as_events() -> None:
+    content = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
+    usage = b"data: " + chunk_of(choices=[], usage={"prompt_tokens": 1}) + b"\n\n"
+    stream = content * 3 + usage + content + b"data: [DONE]\n\n"
+    taking = Taking()
+    out = Out()
+    await relay(
+        stream,
+        Content([]),
+        cast(web.StreamResponse, out),
+        readers=[taking],
+        resume=no_resume,
+    )
+    assert [how for how, _ in taking.got] == ["datas"] * 3 + ["event"] * 3
+    assert b"".join(out.written) == stream
