@@ -571,11 +571,18 @@ async def _relay_events(
             # the rest starts.
             at = 0
             datas = parser.plain(chunk) if by_datas is not None else None
-            if datas is None:
-                events = parser.feed(chunk)
-            elif rewrite is not None or chunk.find(b"error") >= 0:
+            events = parser.feed(chunk) if datas is None else []
+            # A chunk of whole one-line events, which is what framing each
+            # would make of it, is written as it came while its events go
+            # on unchanged (nearly always): not framed event by event.
+            verbatim = parser.verbatim and rewrite is None
+            # Its events' data are its bytes: one search of them all clears
+            # every event of being an error (nearly every read), where each
+            # was searched on its own.
+            errors = not verbatim or chunk.find(b"error") >= 0
+            if datas is not None and errors:
                 events = [Event(data, b"", len(data) + 7) for data in datas]
-            else:
+            elif datas is not None:
                 # Whole one-line events, free of errors, going on unchanged:
                 # those before the first that may be the usage chunk or
                 # [DONE] (nearly all: one search of the read for each) are
@@ -587,24 +594,26 @@ async def _relay_events(
                 found = chunk.find(DONE)
                 if special < 0 or 0 <= found < special:
                     special = found
-                # The events before `special` each end with the read's only
-                # blank lines before it.
-                count = len(datas) if special < 0 else chunk.count(b"\n\n", 0, special)
+                count = len(datas)
+                if special >= 0:
+                    # The rest start after the blank line before `special`;
+                    # counted from the read's end by their lengths (each
+                    # `data: `, its data and LF LF), not by a count of the
+                    # blank lines before it, which goes byte by byte.
+                    blank = chunk.rfind(b"\n\n", 0, special)
+                    at = blank + 2 if blank >= 0 else 0
+                    rest = len(chunk) - at
+                    while rest > 0:
+                        count -= 1
+                        rest -= len(datas[count]) + 8
+                elif count:
+                    at = len(chunk)
                 if count:
                     plain = datas[:count] if count < len(datas) else datas
                     for take in by_datas or ():
                         take(plain)
-                    at = len(chunk) if special < 0 else chunk.rfind(b"\n\n", 0, special) + 2
                     last = Event(plain[-1], b"", len(plain[-1]) + 7)
                 events = [Event(data, b"", len(data) + 7) for data in datas[count:]]
-            # A chunk of whole one-line events, which is what framing each
-            # would make of it, is written as it came while its events go
-            # on unchanged (nearly always): not framed event by event.
-            verbatim = parser.verbatim and rewrite is None
-            # Its events' data are its bytes: one search of them all clears
-            # every event of being an error (nearly every read), where each
-            # was searched on its own.
-            errors = not verbatim or chunk.find(b"error") >= 0
             # Such a read, free of errors, reaches the client whole: its
             # readers that take a read at once are given it so.
             each = by_event if not errors else readers
