@@ -465,19 +465,47 @@ class StreamRecorder:
 
     def read(self, events: Sequence[Event]) -> None:
         """Record each of `events`, in order: one call a read (a ReadSink's,
-        given a relayed read's events at once), not one an event; runs of
-        unnamed ones as `datas` records them."""
-        run: list[bytes] = []
+        given a relayed read's events at once), not one an event. Its loop
+        is `datas`'s twin, kept for speed: a read of one event, most reads
+        of a stream that comes as it is generated, goes through one frame."""
+        like = self._like if self.reason is None and not self._done else None
+        size, bound, kept = self._size, self._max_bytes, self._chunks
         for ev in events:
-            if not ev.name:
-                run.append(ev.data)
-                continue
-            if run:
-                self.datas(run)
-                run = []
+            if like is not None:
+                # The chunk `head` and `tail` were cut from (`_around_text`)
+                # with another text in its delta, a JSON string without `\\u`
+                # escapes: parsed, it would be that chunk with another string
+                # where no check of `_record` looks but at its type, so it is
+                # kept as that chunk was, unparsed (most chunks of a vLLM
+                # stream differ in their text alone; an OpenAI stream's
+                # `obfuscation` differs too, and is parsed). A few C calls,
+                # inline: this runs per chunk. A named event goes to
+                # `_record` (the same chunk kept, or an error event refused);
+                # an empty one, or [DONE], has not `head`.
+                head, tail, start, after = like
+                payload = ev.data
+                end = len(payload) - after
+                if (
+                    not ev.name
+                    and end >= start
+                    and payload[:start] == head  # slices: startswith parses arguments
+                    and payload[end:] == tail
+                    and _TEXT_BODY.fullmatch(payload, start, end) is not None
+                    and (payload.isascii() or _utf8(payload))
+                ):
+                    # `_keep`, its size in a local.
+                    size += len(payload) + CHUNK_OVERHEAD
+                    if bound is not None and size > bound:
+                        self._size = size
+                        self._too_large()
+                        return
+                    kept.append(payload)
+                    continue
+            self._size = size
             self._record(ev)
-        if run:
-            self.datas(run)
+            size = self._size
+            like = self._like if self.reason is None and not self._done else None
+        self._size = size
 
     def datas(self, payloads: list[bytes]) -> None:
         """Record an unnamed event of each of `payloads`, in order (a

@@ -571,7 +571,14 @@ async def _relay_events(
             # the rest starts.
             at = 0
             datas = parser.plain(chunk) if by_datas is not None else None
-            events = parser.feed(chunk) if datas is None else []
+            if datas is None:
+                events = parser.feed(chunk)
+            elif len(datas) == 1:
+                # A read of one event (nearly every read of a stream that
+                # comes as it is generated) costs less as an Event than the
+                # searches below (and a comprehension is a frame of its own).
+                events = [Event(datas[0], b"", len(datas[0]) + 7)]
+                datas = None
             # A chunk of whole one-line events, which is what framing each
             # would make of it, is written as it came while its events go
             # on unchanged (nearly always): not framed event by event.

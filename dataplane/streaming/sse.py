@@ -135,6 +135,8 @@ class SseParser:
         """The events that `chunk` completes, in order (see `over`)."""
         datas = self.plain(chunk)
         if datas is not None:
+            if len(datas) == 1:  # most reads: without a comprehension's frame
+                return [Event(datas[0], b"", len(datas[0]) + 7)]
             return [Event(data, b"", len(data) + 7) for data in datas]
         if not chunk or self.over:
             return []
