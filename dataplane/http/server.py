@@ -66,7 +66,7 @@ from dataplane.settings import Settings
 from dataplane.streaming.splice import TranscriptBudget
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
-from dataplane.sync.quota import QuotaState, other_layouts
+from dataplane.sync.quota import QuotaState, layout_siblings, other_layouts
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
 from dataplane.upstream.outlier import OutlierDetector
@@ -142,17 +142,16 @@ class Proxy:
         self.limiter = RateLimiter(demand_tau_s=settings.demand_tau, epoch=time.time())
         # A --workers changed since the last start left counts under other
         # names, which no process of those names comes to report.
+        place = settings.worker.index if settings.worker else None
         others = (
-            other_layouts(
-                settings.state_dir,
-                settings.worker.index if settings.worker else None,
-                settings.workers,
-            )
-            if settings.state_dir
-            else []
+            other_layouts(settings.state_dir, place, settings.workers) if settings.state_dir else []
         )
         self.quota = quota = QuotaState(
-            self.limiter, settings.state_dir, proxy=settings.name, others=others
+            self.limiter,
+            settings.state_dir,
+            proxy=settings.name,
+            others=others,
+            siblings=layout_siblings(settings.name, place, settings.workers),
         )
         self.draining = Draining()
         self.loads = LoadBoard()

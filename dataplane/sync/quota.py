@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,14 +68,21 @@ class QuotaState:
         *,
         proxy: str = "",
         others: Sequence[Path] = (),
+        siblings: Collection[str] = (),
     ) -> None:
         """`proxy`: this proxy's name, which its saved counts carry (a process
         of another name does not take them: the leader counts by name).
         `others`: the state directories of this proxy's names that its
         --workers layout has not (`other_layouts`), whose saved counts this
-        process carries to the leader under their names."""
+        process carries to the leader under their names. `siblings`: the
+        names of its layout's other processes (`layout_siblings`), of which
+        it carries no rows: each goes on from its own directory and reports
+        them, and a copy another layout saved, sent beside them, would take
+        the leader's count of that process back to the copy's in any round
+        its own report is not in (its reload's drain, a restart)."""
         self._limiter = limiter
         self._proxy = proxy
+        self._siblings = frozenset(siblings)
         # Those not taken yet: a process of that name still holds them.
         self._others = list(others)
         self._state_dir = state_dir
@@ -470,7 +477,13 @@ class QuotaState:
         carried = {
             scope: kept
             for scope, rows in carried.items()
-            if (kept := [s for s in rows if s.day >= since and _whole(s)])
+            if (
+                kept := [
+                    s
+                    for s in rows
+                    if s.day >= since and _whole(s) and s.proxy not in self._siblings
+                ]
+            )
         }
         return {scope: s for scope, s in saved.items() if s.day >= since}, owed, carried
 
@@ -612,6 +625,17 @@ def other_layouts(state_dir: Path, index: int | None, workers: int) -> list[Path
         key=lambda p: _slot(p.name) or 0,
     )
     return out
+
+
+def layout_siblings(name: str, index: int | None, workers: int) -> list[str]:
+    """The names of the other processes of worker `index`'s --workers
+    layout, for worker 0 (`name` is NAME-w0: the others are NAME-w1 ...,
+    as dataplane.settings.worker_name cuts NAME for `workers`), the one that
+    carries other names' counts (QuotaState `siblings`); none for the rest."""
+    if index != 0:
+        return []
+    base = name.removesuffix("-w0")
+    return [f"{base}-w{i}" for i in range(1, workers)]
 
 
 def _slot(name: str) -> int | None:

@@ -61,7 +61,13 @@ from dataplane.ratelimit.limiter import (
 from dataplane.settings import worker_name
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
-from dataplane.sync.quota import COUNTS_FILE, QUOTA_FILE, QuotaState, other_layouts
+from dataplane.sync.quota import (
+    COUNTS_FILE,
+    QUOTA_FILE,
+    QuotaState,
+    layout_siblings,
+    other_layouts,
+)
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -2211,6 +2217,7 @@ def layout_process(
         wall=lambda: NOON,
         proxy=name,
         others=other_layouts(state_dir, index, workers),
+        siblings=layout_siblings(name, index, workers),
     )
     state.load_saved()
     state.on_limits({SCOPE: BUDGET})
@@ -2352,3 +2359,38 @@ def test_a_replica_writes_another_names_rows_under_that_name_of_the_same_proxy()
     assert "p1" not in body["heard"]
     hub.forget("p1-w0")
     assert set(hub._report_body()["proxies"]) == {"p1-w3"}
+
+
+def test_worker_0_carries_no_copy_of_a_name_its_own_layout_runs(tmp_path: Path) -> None:
+    """4 -> 1 -> 4: the single process saved the workers' last counts among
+    those it carried, and worker 0 of the next 4 carried that copy of
+    p1-w1's while p1-w1 went on from its own counts under the same key: a
+    round without p1-w1's report (its reload's drain, a restart) took the
+    leader's count of it back to the copy's."""
+    procs = [layout_process(tmp_path, 10.0 + i, i, 4) for i in range(4)]
+    for limiter, _ in procs:
+        limiter.admit([SCOPE], 10, 1.0, most=0)
+    ledger = through_a_replica(None, {s._proxy: s.demand() for _, s in procs})
+    for _, s in procs:
+        stop(s)
+    _, single = layout_process(tmp_path, 20.0, None, 1)
+    ledger = through_a_replica(ledger, {"p1": single.demand()})
+    stop(single)
+    procs = [layout_process(tmp_path, 30.0 + i, i, 4) for i in range(4)]
+    procs[1][0].admit([SCOPE], 500, 1.0, most=0)
+    ledger = through_a_replica(ledger, {s._proxy: s.demand() for _, s in procs})
+    assert ledger.used()[0] == 540
+    # p1-w1's report missing from a round: worker 0's alone.
+    ledger = through_a_replica(ledger, {"p1-w0": procs[0][1].demand()})
+    assert ledger.used()[0] == 540
+    # Nor is one saved for worker 0's next process.
+    saved = orjson.loads((tmp_path / "w0" / COUNTS_FILE).read_bytes())
+    assert not any(r[0] == "p1-w1" for rows in saved.get("carried_of", {}).values() for r in rows)
+    for _, s in procs:
+        stop(s)
+    # The names as the workers' own, a long name cut to fit too.
+    for base in ("p1", "x" * 70):
+        assert layout_siblings(worker_name(base, 0, 12), 0, 12) == [
+            worker_name(base, i, 12) for i in range(1, 12)
+        ]
+    assert layout_siblings("p1-w1", 1, 4) == layout_siblings("p1", None, 1) == []
