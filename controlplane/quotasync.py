@@ -426,8 +426,11 @@ def _named_rows(proxy: str, demand: Iterable[pb.ScopeDemand]) -> dict[str, dict[
 
 def same_proxy(a: str, b: str) -> bool:
     """Whether names `a` and `b` are of one proxy under some --workers
-    (NAME, NAME-w0, NAME-w1...; dataplane.settings.worker_name)."""
-    return _WORKER.sub("", a) == _WORKER.sub("", b)
+    (NAME, NAME-w0, NAME-w1...; dataplane.settings.worker_name). NAME may
+    end as a worker's does (`edge-w2`, whose workers are `edge-w2-w0`...):
+    one name is then the other's NAME."""
+    base_a, base_b = _WORKER.sub("", a), _WORKER.sub("", b)
+    return base_a in (base_b, b) or a == base_b
 
 
 _WORKER = re.compile(r"-w(0|[1-9][0-9]*)$")

@@ -2394,3 +2394,25 @@ def test_worker_0_carries_no_copy_of_a_name_its_own_layout_runs(tmp_path: Path) 
             worker_name(base, i, 12) for i in range(1, 12)
         ]
     assert layout_siblings("p1-w1", 1, 4) == layout_siblings("p1", None, 1) == []
+
+
+def test_a_proxy_named_as_a_worker_is_of_its_own_workers_names() -> None:
+    """A proxy named `edge-w2` (a name of its own, not a worker's) whose
+    --workers changes is `edge-w2-w0`...: its replica took none of the
+    single one's rows from worker 0 (their names cut to `edge` and
+    `edge-w2`), nor the workers' from the single one, and that last
+    interval was lost."""
+    hub = QuotaHub(MemoryStore(), "cp-a", constant_lease(0), interval=0.001)
+    carrying = pb.ScopeDemand(scope=SCOPE)
+    carrying.closed.add(epoch=7.0, day=DAY, day_tokens=50, month_tokens=50, proxy="edge-w2")
+    carrying.closed.add(epoch=8.0, day=DAY, day_tokens=60, month_tokens=60, proxy="edge-w2-w5")
+    carrying.closed.add(epoch=9.0, day=DAY, day_tokens=70, month_tokens=70, proxy="edge-w3-w0")
+    hub.report("edge-w2-w0", [carrying])
+    single = pb.ScopeDemand(scope=SCOPE)
+    single.closed.add(epoch=6.0, day=DAY, day_tokens=40, month_tokens=40, proxy="edge-w2-w1")
+    single.closed.add(epoch=5.0, day=DAY, day_tokens=30, month_tokens=30, proxy="edge-w3-w1")
+    hub.report("edge-w2", [single])
+    rows = {p: _demand_of(by[SCOPE]) for p, by in hub._report_body()["proxies"].items()}
+    assert set(rows) == {"edge-w2", "edge-w2-w0", "edge-w2-w5", "edge-w2-w1"}
+    assert rows["edge-w2"].closed == (spent(7.0, 50, 50),)
+    assert rows["edge-w2-w1"].closed == (spent(6.0, 40, 40),)
