@@ -56,6 +56,11 @@ SUPERSEDED_WAIT_S = 30.0
 # Ejected origins one report names: the control plane takes no more
 # (controlplane.api.routing.MAX_EJECTED).
 MAX_EJECTED_REPORTED = 64
+# The largest message a replica takes (controlplane.app): past it, it ends
+# the stream (the proxy saw INTERNAL), and the proxy connected again and sent
+# the next report, refused too, its table and shares lost in between. A
+# report past it is not sent (_report), and said.
+MAX_REPORT_BYTES = 4 * 1024 * 1024
 # The deadline of a stopping proxy's Deregister: a few etcd calls at the
 # control plane, and a TLS handshake. A control plane that does not answer
 # in time drops the registration itself, when the stream's end reaches it or
@@ -199,6 +204,9 @@ class ControlPlaneClient:
         # Whether this session's replica counts rows of other names
         # (RegisterResponse.takes_named_counts; see report()).
         self._named_counts = False
+        # The size of the last report not sent for its size (_sendable), 0
+        # while they fit.
+        self._too_large = 0
         self.connected = False
         self.quota_generation = 0
         self.loads_generation = 0
@@ -539,6 +547,7 @@ class ControlPlaneClient:
         told = False
         while True:
             await asyncio.sleep(self._report_interval)
+            told_before = self._told
             try:
                 message = self.report(session_id)
             except Exception:
@@ -546,7 +555,39 @@ class ControlPlaneClient:
                     log.exception("could not make a report to the control plane")
                 told = True
                 continue
-            outbox.put_nowait(message)
+            if self._sendable(message):
+                outbox.put_nowait(message)
+            else:
+                # Its warnings, if it carried them, go with the next one sent.
+                self._told = told_before
+
+    def _sendable(self, message: pb.RouteRequest) -> bool:
+        """Whether report `message` is within what a replica takes
+        (MAX_REPORT_BYTES). One past it is not sent, said once until they fit
+        again: its carried rows are bounded (QuotaState.demand), so it is the
+        proxy's own rows, one a scope in use here (tens of thousands), and
+        neither dropping some (read as no demand) nor ending the stream
+        would count them. The leader goes on from the last report sent;
+        the counts, cumulative, go with the next one that fits."""
+        size = message.ByteSize()
+        if size <= MAX_REPORT_BYTES:
+            if self._too_large:
+                log.info("reports to the control plane fit again (%d bytes)", size)
+                self._too_large = 0
+            return True
+        if not self._too_large:
+            log.error(
+                "report to the control plane not sent: %d bytes for %d scopes, past the "
+                "%d a replica takes; until it fits, the leader goes on from this proxy's "
+                "last report (its demand and budget counts stand still there, counts "
+                "since go with the next report that fits): fewer scopes in use here "
+                "bring it under",
+                size,
+                len(message.demand),
+                MAX_REPORT_BYTES,
+            )
+        self._too_large = size
+        return False
 
     def report(self, session_id: str) -> pb.RouteRequest:
         """One report message: demand since the last one, cumulative traffic,

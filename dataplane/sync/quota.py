@@ -54,6 +54,16 @@ COUNTS_FILE = "budget_counts.json"
 COUNTS_LOCK = "budget_counts.lock"
 # Those of a process that never held the lock, as it stopped (close): by pid.
 LEFT_COUNTS = "budget_counts.*.json"
+# At most this many bytes of carried rows (ScopeDemand.closed) a report: a
+# replica takes no message past 4 MiB (controlplane.app) and ends the stream
+# of one that is (the proxy connects again, to be refused at its next
+# report, its table and shares lost in between), and `--workers 16 -> 1`
+# carries 16 names' rows (some 700 KB a 1,000 budgeted scopes). Past the
+# bound they go over successive reports in turn, each many times within the
+# CLOSED_REPORTS that carry them while they fit 600 such reports: the leader
+# keeps each process's last row, so a row sent again, or a report without
+# it, counts the same.
+CARRIED_REPORT_BYTES = 1 << 20
 
 
 class QuotaState:
@@ -110,6 +120,8 @@ class QuotaState:
         self._owes_on_lock = False
         # Files of LEFT_COUNTS the last save carried (_take_left).
         self._left_taken: list[Path] = []
+        # Where the next report's carried rows start, past the bound (_turn).
+        self._carried_from = 0
 
     @property
     def ready(self) -> bool:
@@ -214,8 +226,11 @@ class QuotaState:
         # leaves counts no lower than the leader's, which the next goes on
         # from (a lower one would take the ledger back).
         self.save_counts()
+        demand = self._limiter.demand(self._clock())
+        sent = self._turn([c for d in demand.values() for c in d.closed])
         out = []
-        for scope, d in self._limiter.demand(self._clock()).items():
+        at = 0
+        for scope, d in demand.items():
             row = pb.ScopeDemand(
                 scope=scope,
                 requests_per_s=d.requests_per_s,
@@ -230,15 +245,39 @@ class QuotaState:
                 row.day_tokens = d.spent.day_tokens
                 row.month_tokens = d.spent.month_tokens
             for c in d.closed:
-                row.closed.add(
-                    epoch=c.epoch,
-                    day=c.day,
-                    day_tokens=c.day_tokens,
-                    month_tokens=c.month_tokens,
-                    proxy=c.proxy,
-                )
+                if sent is None or at in sent:
+                    row.closed.add(
+                        epoch=c.epoch,
+                        day=c.day,
+                        day_tokens=c.day_tokens,
+                        month_tokens=c.month_tokens,
+                        proxy=c.proxy,
+                    )
+                at += 1
             out.append(row)
         return out
+
+    def _turn(self, closed: Sequence[Spent]) -> set[int] | None:
+        """Which of this report's carried rows (`closed`, every scope's in
+        turn) it sends: all (None) while they fit CARRIED_REPORT_BYTES, else
+        as many as fit from where the last report's stopped, round the end
+        to the start, so that each goes once every few reports."""
+        sizes = [_carried_bytes(c) for c in closed]
+        if sum(sizes) <= CARRIED_REPORT_BYTES:
+            self._carried_from = 0
+            return None
+        count = len(sizes)
+        start = self._carried_from % count
+        sent: set[int] = set()
+        size = 0
+        for step in range(count):
+            at = (start + step) % count
+            size += sizes[at]
+            if size > CARRIED_REPORT_BYTES and sent:
+                break
+            sent.add(at)
+        self._carried_from = (start + len(sent)) % count
+        return sent
 
     # ------------------------------------------------------------ saved copy
 
@@ -636,6 +675,13 @@ def layout_siblings(name: str, index: int | None, workers: int) -> list[str]:
         return []
     base = name.removesuffix("-w0")
     return [f"{base}-w{i}" for i in range(1, workers)]
+
+
+def _carried_bytes(c: Spent) -> int:
+    """What carried row `c` adds to a report's message, or more: a
+    SpentCount's double and varint fields with their tags (32 bytes at
+    most), its proxy name's, and its own tag and length (ScopeDemand.closed)."""
+    return 40 + len(c.proxy.encode())
 
 
 def _slot(name: str) -> int | None:
