@@ -59,6 +59,7 @@ from dataplane.ratelimit.limiter import (
     RateLimiter,
 )
 from dataplane.settings import worker_name
+from dataplane.sync import quota as quota_module
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from dataplane.sync.quota import (
@@ -2281,6 +2282,31 @@ def test_a_workers_change_reports_the_old_names_last_counts_under_their_names_on
         ledger = through_a_replica(ledger, {"p1": state.demand()})
     assert ledger.used() == (spent_so_far, spent_so_far)
     state.close()
+
+
+def test_carried_rows_past_a_reports_bound_are_counted_once_each_as_they_go_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 -> 1 with a bound of some 5 rows a report (CARRIED_REPORT_BYTES):
+    each report carries a few names' last counts; the leader, which keeps
+    each process's last row, counts them all once the turn is done, and
+    again the same at the next turn."""
+    monkeypatch.setattr(quota_module, "CARRIED_REPORT_BYTES", 250)
+    procs = [layout_process(tmp_path, 10.0 + i, i, 16) for i in range(16)]
+    for limiter, state in procs:
+        limiter.admit([SCOPE], 10, 1.0, most=0)  # unreported
+        stop(state)
+    _, single = layout_process(tmp_path, 40.0, None, 1)
+    ledger = None
+    sent, counted = [], []
+    for _ in range(8):
+        report = single.demand()
+        sent.append(len(report[0].closed))
+        ledger = through_a_replica(ledger, {"p1": report})
+        counted.append(ledger.used()[0])
+    assert sent == [5] * 8  # the rows of 16 names, round the end and again
+    assert counted == [50, 100, 150, 160, 160, 160, 160, 160]
+    single.close()
 
 
 def test_only_worker_0_carries_the_names_gone_and_waits_while_one_runs(tmp_path: Path) -> None:
