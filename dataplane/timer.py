@@ -49,11 +49,14 @@ class LazyTimer:
     owner is done: a pending timer would keep it alive until it fired).
     """
 
-    __slots__ = ("_at", "_due", "_late", "_loop", "_timer")
+    __slots__ = ("_at", "_late", "_loop", "_timer", "due")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._due: float | None = None  # loop time the deadline passes
+        # Loop time the deadline passes; None: none runs. Read by owners that
+        # ask every request (`armed` is a Python call on 3.11, some 640
+        # instructions against the attribute's 85); set by these methods only.
+        self.due: float | None = None
         self._late: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._at = 0.0  # the timer's when(), while there is one
@@ -61,14 +64,14 @@ class LazyTimer:
     @property
     def armed(self) -> bool:
         """A deadline is running."""
-        return self._due is not None
+        return self.due is not None
 
     def arm(self, delay: float, late: Callable[[], None]) -> None:
         # arm_at's steps, not a call of it: connections arm a deadline or two
         # a request (callgrind on a loop of arm and disarm: 2,600
         # instructions a pair with the call, 2,200 without).
         due = self._loop.time() + delay
-        self._due, self._late = due, late
+        self.due, self._late = due, late
         timer = self._timer
         if timer is None or self._at > due:
             if timer is not None:
@@ -78,7 +81,7 @@ class LazyTimer:
 
     def arm_at(self, due: float, late: Callable[[], None]) -> None:
         """`late` runs at loop time `due` (as `arm`, for a deadline already absolute)."""
-        self._due, self._late = due, late
+        self.due, self._late = due, late
         timer = self._timer
         if timer is None or self._at > due:
             if timer is not None:
@@ -87,7 +90,7 @@ class LazyTimer:
             self._at = due
 
     def disarm(self) -> None:
-        self._due = self._late = None  # the timer, if any, finds nothing due
+        self.due = self._late = None  # the timer, if any, finds nothing due
 
     def close(self) -> None:
         self.disarm()
@@ -97,7 +100,7 @@ class LazyTimer:
 
     def _tick(self) -> None:
         self._timer = None
-        due, late = self._due, self._late
+        due, late = self.due, self._late
         if due is None or late is None:
             return
         if self._loop.time() < due - TIMER_GRAIN:
@@ -304,7 +307,7 @@ class IdleTimeout:
         since = self._since
         due = self._due = (now if since is None else since) + self._delay
         timer = self._timer
-        timer._due, timer._late = due, self._late_call
+        timer.due, timer._late = due, self._late_call
         if timer._timer is None or timer._at > due:
             timer.arm_at(due, self._late_call)
         return self
@@ -316,7 +319,7 @@ class IdleTimeout:
         tb: TracebackType | None,
     ) -> None:
         timer = self._timer
-        timer._due = timer._late = None  # disarmed: see LazyTimer.disarm
+        timer.due = timer._late = None  # disarmed: see LazyTimer.disarm
         if self._expired:
             _exit_timeout(self._task, True, self._cancelling, exc_type, exc)
 

@@ -762,7 +762,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if self._force_close or self._close or self._upgraded:
             super().data_received(data)
             return
-        if data and not self._deadline.armed and self._payload is None:
+        if data and self._deadline.due is None and self._payload is None:
             self._head_begins()  # the first byte of the next request
         heading = self._payload is None
         if heading:

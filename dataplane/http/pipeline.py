@@ -1547,7 +1547,8 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     # The usual header's value as sent is its media type: aiohttp's property
     # (a parse of the value, a copy of its parameters) is asked only for
     # another, which it lowercases and strips of parameters.
-    sent = request.headers.get(hdrs.CONTENT_TYPE)
+    headers = request.headers
+    sent = headers.get(hdrs.CONTENT_TYPE)
     if sent != "application/json" and request.content_type != "application/json":
         # aiohttp reports a missing header as application/octet-stream.
         shown = "missing" if sent is None else request.content_type
@@ -1558,7 +1559,10 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
         )
     # A declared length over the limit is refused before reading a byte;
     # chunked bodies are cut off by aiohttp's client_max_size while reading.
-    length = request.content_length
+    # aiohttp's content_length property, read as it does (a Python call on
+    # 3.11, some 640 instructions); its parser took only digits for the value.
+    declared = headers.get(hdrs.CONTENT_LENGTH)
+    length = None if declared is None else int(declared)
     if length is not None and length > limit:
         raise body_too_large(limit)
     content = request.content
