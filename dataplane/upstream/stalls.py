@@ -90,7 +90,9 @@ class CallWatch:
         self._started = self._task.get_loop().time()
         self._cancelling = self._task.cancelling()
         stalls = self._stalls
-        stalls.add(self)
+        # Stalls.add's and Stalls.forget's steps, not calls of them: every
+        # origin call is watched (a Python call, some 400 instructions each).
+        stalls._streams.setdefault(self.origin, set()).add(self)
         # Stalls.bound, without its calls for the usual healthy origin: a
         # new watch has no cap to lift.
         if self.origin in stalls.unhealthy:
@@ -103,7 +105,12 @@ class CallWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._stalls.forget(self)
+        watches = self._stalls._streams  # Stalls.forget's steps: see __enter__
+        calls = watches.get(self.origin)
+        if calls is not None:
+            calls.discard(self)
+            if not calls:
+                del watches[self.origin]
         if self._handle is not None:
             self.cap(None)
         if self._expired and cut_by_bound(self._task, self._cancelling, exc_type):
@@ -223,7 +230,7 @@ class Stalls:
         """Streams read from `origin` now, and calls to it not yet answered."""
         return len(self._streams.get(origin, ()))
 
-    # For the watches.
+    # For the watches (CallWatch takes these steps itself: see its __enter__).
 
     def add(self, watch: _Watch) -> None:
         self._streams.setdefault(watch.origin, set()).add(watch)
