@@ -77,6 +77,9 @@ class RequestIds:
 
     def of(self, client_id: str | None) -> str:
         """The id of a request that came with `client_id` (the header's value)."""
-        if client_id is None:  # most requests: no call to check it
-            return self.next()
+        if client_id is None:  # most requests: no call to check it, nor next's
+            made = self._made
+            if not made:
+                made = self._made = self._draw()
+            return made.pop()
         return accepted_client_id(client_id) or self.next()

@@ -356,9 +356,9 @@ async def test_bytes_no_call_asked_for_close_the_connection() -> None:
     conn.data_received(OK)
     message, payload = await head
     assert (message.code, await payload.read()) == (200, b"{}")
-    assert conn.idle
+    assert conn.is_idle()
     conn.data_received(b"HTTP/1.1 2")  # after the whole answer, in a read of its own
-    assert (transport.closed, conn.idle, conn.reusable) == (True, False, False)
+    assert (transport.closed, conn.is_idle(), conn.reusable) == (True, False, False)
     conn.connection_lost(None)
 
 
@@ -382,7 +382,7 @@ async def test_a_body_paused_for_its_reader_resumes_and_its_connection_serves_th
     assert conn._reading_paused
     conn.data_received(b"yz")  # the transport delivered it before the pause took hold
     assert await payload.read() == b"x" * big + b"yz"
-    assert (conn._reading_paused, conn.idle) == (False, True)
+    assert (conn._reading_paused, conn.is_idle()) == (False, True)
     head = conn.expect(BOUND)
     conn.data_received(OK)
     message, payload = await head
@@ -425,7 +425,7 @@ async def test_a_connection_whose_parser_paused_at_an_answers_end_serves_the_nex
     _, payload = await head
     assert payload.is_eof()
     payload.read_nowait()
-    assert conn.idle
+    assert conn.is_idle()
     head = conn.expect(None)
     conn.data_received(OK)
     message, payload = await head
