@@ -996,6 +996,8 @@ _USAGE = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","c
 _SAME = Event(_TEXT % b"same")
 _NAMED_ERROR = Event(_TEXT % b"an error", b"error")
 _DONE = Event(b"[DONE]")
+# A tail as long as the last kept's, not its bytes: not JSON.
+_BAD_TAIL = Event(_TEXT.replace(b"null}]}", b"nul!}]}") % b"same length")
 # Events a stream may hold: chunks of text (like the last kept or not),
 # others parsed, named ones (an error too), empty ones, [DONE] and past it.
 _EVENTS = [
@@ -1009,6 +1011,8 @@ _EVENTS = [
     Event(b""),
     Event(b"not json"),
     Event(_TEXT.replace(b'"delta"', b'\n"delta"') % b"two lines"),
+    # A tail as long as the last kept's, not its bytes: not JSON.
+    _BAD_TAIL,
     _DONE,
     Event(b" [DONE] "),
 ]
@@ -1019,9 +1023,15 @@ def _entry_of(recorder: StreamRecorder) -> tuple[object, ...]:
     return (recorder.reason, recorder.too_large, entry and (entry.chunks, entry.size))
 
 
-# A chunk like the last kept after [DONE] in the same read, and one named error.
+# A chunk like the last kept after [DONE] in the same read, one named error,
+# chunks like the last kept in one run of plain events (their size counted),
+# and in one such run chunks that look like it but are not (not UTF-8, not
+# its tail).
 @example(events=[_SAME, Event(_LAST), _DONE, _SAME], cuts=[1], max_bytes=None)
 @example(events=[_SAME, _NAMED_ERROR, _DONE], cuts=[], max_bytes=None)
+@example(events=[Event(_ROLE), _SAME, _SAME, _SAME, Event(_LAST), _DONE], cuts=[], max_bytes=None)
+@example(events=[_SAME, Event(_TEXT % b"bad \xff utf8"), _DONE], cuts=[], max_bytes=None)
+@example(events=[_SAME, _BAD_TAIL, _DONE], cuts=[], max_bytes=None)
 @settings(max_examples=600, deadline=None)
 @given(
     events=st.lists(st.sampled_from(_EVENTS), max_size=24),
@@ -1031,15 +1041,35 @@ def _entry_of(recorder: StreamRecorder) -> tuple[object, ...]:
 def test_a_recorder_given_whole_reads_records_what_it_records_given_each_event(
     events: list[Event], cuts: list[int], max_bytes: int | None
 ) -> None:
-    # StreamRecorder.read, the relay's whole reads (a ReadSink), keeps the
-    # chunks, size and verdict `event` keeps, however the events are read,
-    # and those of a recorder that parses every chunk.
+    # StreamRecorder.read, the relay's whole reads (a ReadSink), and
+    # StreamRecorder.datas, its plain events (a DataSink), keep the chunks,
+    # size and verdict `event` keeps, however the events are read, and
+    # those of a recorder that parses every chunk.
     bounds = [0, *sorted(cuts), len(events)]
-    by_read, by_event, parsed = (StreamRecorder(max_bytes=max_bytes) for _ in range(3))
+    by_read, by_event, parsed, by_datas = (StreamRecorder(max_bytes=max_bytes) for _ in range(4))
     for start, end in itertools.pairwise(bounds):
         by_read.read(events[start:end])
+        _give(by_datas, events[start:end])
     for ev in events:
         by_event.event(ev)
         parsed.event(ev)
         parsed._like = None  # the next chunk is parsed
-    assert _entry_of(by_read) == _entry_of(by_event) == _entry_of(parsed)
+    assert _entry_of(by_read) == _entry_of(by_event) == _entry_of(parsed) == _entry_of(by_datas)
+
+
+def _give(recorder: StreamRecorder, events: list[Event]) -> None:
+    """`events` as the events relay gives a read's: its runs of unnamed
+    events, none [DONE] nor with a usage key (a DataSink's contract), to
+    `datas` (its loop is `read`'s twin, kept apart for speed), the others
+    to `read`."""
+    run: list[bytes] = []
+    for ev in events:
+        if not ev.name and not ev.done and ev.data.find(b'"usage"') < 0:
+            run.append(ev.data)
+            continue
+        if run:
+            recorder.datas(run)
+            run = []
+        recorder.read([ev])
+    if run:
+        recorder.datas(run)
