@@ -9,6 +9,7 @@ import itertools
 import json
 from typing import Any, cast
 
+import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -218,3 +219,55 @@ async def test_a_reads_content_deltas_are_given_as_data_and_the_rest_as_events()
     )
     assert [how for how, _ in taking.got] == ["datas"] * 3 + ["event"] * 3
     assert b"".join(out.written) == stream
+
+
+class Watchful:
+    """An idle bound (IdleTimeout's surface the relay uses) under which a
+    wait times out unless an event came since the last wait began: the
+    relay's idle timeout run out during it, with no clock."""
+
+    delay = 30.0
+    capped = False
+    without_progress = True
+
+    def __init__(self, delay: float) -> None:
+        self._progress = False
+
+    def progress(self) -> None:
+        self._progress = True
+
+    def __enter__(self) -> Watchful:
+        if not self._progress:
+            raise TimeoutError
+        self._progress = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_read_of_plain_events_alone_is_progress_for_the_idle_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Events are progress however the relay takes them: a read whose
+    # events all go to the readers as their data keeps the stream's idle
+    # bound from passing as a read of comments alone would.
+    monkeypatch.setattr("dataplane.streaming.relay.IdleTimeout", Watchful)
+    content = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
+    reads = [content * 2, content * 3, b"data: [DONE]\n\n"]
+    taking = Taking()
+    out = Out()
+    end = await relay(
+        reads[0],
+        Content(reads[1:]),
+        cast(web.StreamResponse, out),
+        readers=[taking],
+        idle_timeout=30.0,
+        resume=no_resume,
+    )
+    assert [how for how, _ in taking.got] == ["datas"] * 5 + ["event"]
+    assert end.cut == "" and end.complete
+    assert b"".join(out.written) == b"".join(reads)
