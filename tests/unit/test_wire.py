@@ -808,6 +808,25 @@ async def test_a_share_of_the_whole_pool_keeps_no_reserve(
         resp.close()
 
 
+async def test_a_whole_answer_read_at_once_leaves_its_share_and_rests_its_connection(
+    wires: Callable[..., OriginWire], origin: RawOrigin
+) -> None:
+    # read_now gives its connection back with release()'s steps of its own:
+    # the tenant's place in the pool's share is freed, and the connection,
+    # its answer ended, goes back idle for the next call.
+    wire = wires(share_limit=1)
+    for _ in range(3):
+        resp = await wire.post(origin.url(), b"{}", no_headers(), tenant="beta")
+        async with asyncio.timeout(BOUND):
+            while (body := resp.read_now()) is None:
+                await asyncio.sleep(0)  # a turn of the loop for the body's bytes
+        assert body == b"{}"
+        [pool] = wire._pools.values()
+        assert pool.shares == {}
+        assert len(pool.idle) == 1
+    assert origin.connections == 1
+
+
 async def test_a_call_that_fails_leaves_its_tenants_share(
     wires: Callable[..., OriginWire], origin: RawOrigin
 ) -> None:
