@@ -15,34 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.cache.entry import StreamRecorder
-from dataplane.streaming.relay import EventSink, Next, relay
+from dataplane.streaming.relay import EventSink, relay
 from dataplane.streaming.splice import Transcript, TranscriptBudget
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter
-
-
-class Content:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = chunks
-
-    async def readany(self) -> bytes:
-        return self._chunks.pop(0) if self._chunks else b""
-
-
-class Out:
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-        self.ended = False
-
-    async def write(self, data: bytes) -> None:
-        self.written.append(data)
-
-    async def write_eof(self) -> None:
-        self.ended = True
-
-
-async def no_resume(cut: str, too_long: int) -> Next | None:
-    return None
+from tests.unit.test_stream_relay import Content, Out, no_resume
 
 
 class EventsOnly:
@@ -149,7 +126,7 @@ async def relayed(reads: list[bytes], plain: bool, max_bytes: int, limit: int) -
     out = Out()
     end = await relay(
         reads[0],
-        Content(list(reads[1:])),
+        Content(*reads[1:]),
         cast(web.StreamResponse, out),
         readers=cast(list[EventSink], readers),
         error_event=ending,
@@ -212,7 +189,7 @@ async def test_a_reads_content_deltas_are_given_as_data_and_the_rest_as_events()
     out = Out()
     await relay(
         stream,
-        Content([]),
+        Content(),
         cast(web.StreamResponse, out),
         readers=[taking],
         resume=no_resume,
@@ -262,7 +239,7 @@ async def test_a_read_of_plain_events_alone_is_progress_for_the_idle_bound(
     out = Out()
     end = await relay(
         reads[0],
-        Content(reads[1:]),
+        Content(*reads[1:]),
         cast(web.StreamResponse, out),
         readers=[taking],
         idle_timeout=30.0,
