@@ -2,7 +2,7 @@
 
 The protocol is async so that a shared store (dataplane.cache.regionstore, on
 Redis) sits behind it without changing callers; `ExactStore` suspends only in a
-purge by tenant or model of more than PURGE_SLICE entries, between its slices.
+purge of more than PURGE_SLICE entries, between its slices.
 Any implementation must pass tests/unit/test_cache_store.py::TestContract.
 """
 
@@ -152,13 +152,13 @@ class ExactStore:
 
     One per proxy process, owned by the app. Every method but purge() runs
     without suspending, so it is atomic for the tasks of the event loop it is
-    used from; it is not thread-safe. A purge by tenant or model of a store of
-    more than PURGE_SLICE entries lets the loop run between slices: it drops
-    the scope's entries held when it began (and an entry put meanwhile under
-    one of their keys, if its slice is yet to come), and the store is
-    consistent, counted and told at each pause. `clock` gives seconds on any
-    fixed origin (inject time.monotonic, or a fake in tests); TTLs are
-    measured on it.
+    used from; it is not thread-safe. A purge of a store of more than
+    PURGE_SLICE entries (all of them, or by tenant or model) lets the loop
+    run between slices: it drops the scope's entries held when it began
+    (and an entry put meanwhile under one of their keys, if its slice is yet
+    to come), and the store is consistent, counted and told at each pause.
+    `clock` gives seconds on any fixed origin (inject time.monotonic, or a
+    fake in tests); TTLs are measured on it.
 
     `on_evict(key, reason)` is called after an entry has left the store for any
     reason (not when it is replaced under the same key), once the store is
@@ -329,13 +329,8 @@ class ExactStore:
 
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
         entries = self._entries
-        if tenant is None and model is None:
-            keys = list(entries)
-            for key in keys:
-                self._remove(key)
-            self._purged += len(keys)
-            self._notify(keys, EvictReason.PURGED)
-            return len(keys)
+        # All of them (neither given) in slices too: on a large store one
+        # step held the loop 0.1-0.9 s at 600,000 entries (review 372).
         # The dict's own keys, in the order they were first put: an
         # OrderedDict's iterator finds each key's node by a lookup of its own,
         # some 0.2-1.5 us a key on a large store, ten times this. A purge

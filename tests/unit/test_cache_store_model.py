@@ -231,9 +231,9 @@ def test_the_store_does_what_the_model_does(
                 model.told[len(model.told) - dropped :] = sorted(
                     model.told[len(model.told) - dropped :]
                 )
-                # A purge by scope pauses once between slices of what it held.
-                scoped = bool(scope)
-                assert pauses == (max(0, (before - 1) // purge_slice) if scoped else 0)
+                # A purge (of a scope, or of all) pauses once between slices
+                # of what it held.
+                assert pauses == max(0, (before - 1) // purge_slice)
             elif op == "time":
                 clock.now += data.draw(st.sampled_from([0.5, 1, 2.5, 10]))
             elif op == "sweep":
