@@ -361,17 +361,13 @@ class QuotaState:
             return True
         if self._state_dir is None:
             return False
-        fd = -1
         try:
             # A first start's directory (a worker's DIR/wI) is made by its
             # first save; the lock comes before that.
             self._state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._state_dir / COUNTS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = _try_lock(self._state_dir / COUNTS_LOCK)
         except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) and not self._lock_failed:
+            if not self._lock_failed:
                 # Not another process's lock: said once, not each second.
                 self._lock_failed = True
                 log.error(
@@ -380,6 +376,8 @@ class QuotaState:
                     self._state_dir,
                     exc,
                 )
+            return False
+        if fd is None:
             return False
         self._lock = fd
         if self._owes_on_lock:
@@ -419,18 +417,12 @@ class QuotaState:
         if not any(p.exists() for p in paths):
             return True
         try:
-            fd = os.open(directory / COUNTS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _try_lock(directory / COUNTS_LOCK)
         except OSError as exc:
             log.error("budget counts in %s not carried: cannot lock them: %s", directory, exc)
             return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            log.error("budget counts in %s not carried: cannot lock them: %s", directory, exc)
-            return True
+        if fd is None:
+            return False
         try:
             for path in paths:
                 _, _, carried = self._saved_counts(path, other=True)
@@ -636,6 +628,20 @@ class QuotaState:
         )
 
 
+def _try_lock(path: Path) -> int | None:
+    """A descriptor holding the exclusive lock on `path` (made if missing),
+    or None while another process holds it; OSError for any other failure."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
 def _name(proxy: object, own: str) -> str:
     """A carried row's proxy name as saved: "" if it is `own` (this
     process's name: its own row); ValueError unless a name."""
@@ -659,16 +665,16 @@ def other_layouts(state_dir: Path, index: int | None, workers: int) -> list[Path
         root, gone_from = state_dir.parent, workers
     else:
         return []
-    out = [root] if index is not None else []
     try:
-        slots = [p for p in root.iterdir() if _slot(p.name) is not None]
+        listed = list(root.iterdir())
     except OSError:
-        slots = []
-    out += sorted(
-        (p for p in slots if (_slot(p.name) or 0) >= gone_from and p.is_dir()),
-        key=lambda p: _slot(p.name) or 0,
+        listed = []
+    slots = sorted(
+        (slot, p)
+        for p in listed
+        if (slot := _slot(p.name)) is not None and slot >= gone_from and p.is_dir()
     )
-    return out
+    return ([root] if index is not None else []) + [p for _, p in slots]
 
 
 def layout_siblings(name: str, index: int | None, workers: int) -> list[str]:
