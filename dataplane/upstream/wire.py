@@ -900,12 +900,10 @@ class OriginWire:
         return None if pool.waiters else _pop_idle(pool)
 
     async def _take(self, endpoint: _Endpoint) -> OriginConnection:
-        """An idle connection of the endpoint's pool, or a new one while the
-        pool is under its cap; past it, the first one freed, in turn, if one
-        is within the queue timeout (else OriginFull)."""
-        conn = self._idle_now(endpoint)
-        if conn is not None:
-            return conn
+        """Once `_idle_now` has taken no idle connection (nothing changed
+        since: no wait between): a new one while the endpoint's pool is under
+        its cap; past it, the first one freed, in turn, if one is within the
+        queue timeout (else OriginFull)."""
         pool = endpoint.pool
         if not pool.waiters and pool.open < self._limit:  # else they go first
             return await self._open(pool, endpoint)
