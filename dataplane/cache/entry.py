@@ -515,15 +515,8 @@ class StreamRecorder:
         size, bound, kept = self._size, self._max_bytes, self._chunks
         for payload in payloads:
             if like is not None:
-                # The chunk `head` and `tail` were cut from (`_around_text`)
-                # with another text in its delta, a JSON string without `\\u`
-                # escapes: parsed, it would be that chunk with another string
-                # where no check of `_record` looks but at its type, so it is
-                # kept as that chunk was, unparsed (most chunks of a vLLM
-                # stream differ in their text alone; an OpenAI stream's
-                # `obfuscation` differs too, and is parsed). A few C calls,
-                # inline: this runs per chunk. An empty one, or [DONE], has
-                # not `head`, and goes to `_record`.
+                # As in `read` (which says why), for unnamed events: an empty
+                # one, or [DONE], has not `head`, and goes to `_record`.
                 head, tail, start, after = like
                 end = len(payload) - after
                 if (

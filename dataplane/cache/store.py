@@ -40,9 +40,9 @@ SLOT_OVERHEAD = 900
 # thousand puts, 1 MB at 6,600 entries, in the semantic soak). A rebuild costs
 # O(entries) once per entries/4 puts, still amortised O(1) per put.
 STALE_EXPIRY_SLACK = 64
-# Entries a purge by tenant or model looks at before it lets the event loop
-# run. It reads each slot's scope rather than keep per-tenant and per-model key
-# sets at every put (some 1,900 instructions a put, and two set entries an
+# Entries a purge (all, or by tenant or model) looks at before it lets the
+# event loop run. It reads each slot's scope rather than keep per-tenant and
+# per-model key sets at every put (some 1,900 instructions a put, and two set entries an
 # entry): on a store of 600,000 entries a slice held the loop 15 ms at most
 # (the first, which lists the keys: 8 B an entry, for the purge's time).
 PURGE_SLICE = 8192
@@ -330,7 +330,7 @@ class ExactStore:
     async def purge(self, *, tenant: str | None = None, model: str | None = None) -> int:
         entries = self._entries
         # All of them (neither given) in slices too: on a large store one
-        # step held the loop 0.1-0.9 s at 600,000 entries (review 372).
+        # step held the loop 0.1-0.9 s at 600,000 entries (helper-372).
         # The dict's own keys, in the order they were first put: an
         # OrderedDict's iterator finds each key's node by a lookup of its own,
         # some 0.2-1.5 us a key on a large store, ten times this. A purge
