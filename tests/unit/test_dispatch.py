@@ -13,14 +13,15 @@ from dataplane.http.dispatch import FixedRoutes, for_routes, with_direct
 Seen = list[tuple[str, str]]
 
 
-def boundary_into(seen: Seen) -> Middleware:
-    """A middleware that records the route name of what passed it."""
+def boundary_into(seen: Seen, label: str = "middleware") -> Middleware:
+    """A middleware that records, under `label`, the route name of what
+    passed it."""
 
     @web.middleware
     async def boundary(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        seen.append(("middleware", request.match_info.route.name or ""))
+        seen.append((label, request.match_info.route.name or ""))
         return await handler(request)
 
     return boundary
@@ -133,18 +134,11 @@ async def test_a_middleware_for_some_routes_is_in_their_chains_alone() -> None:
     seen: Seen = []
     app = web.Application(middlewares=[boundary_into(seen)])
 
-    @web.middleware
-    async def views(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        seen.append(("views", request.match_info.route.name or ""))
-        return await handler(request)
-
     async def ok(request: web.Request) -> web.Response:
         seen.append(("handler", request.match_info.route.name or ""))
         return web.Response(text="ok")
 
-    app.middlewares.append(for_routes(views, ("metrics",)))
+    app.middlewares.append(for_routes(boundary_into(seen, "views"), ("metrics",)))
     app.router.add_post("/v1/chat/completions", ok, name="chat.completions")
     app.router.add_get("/metrics", ok, name="metrics")
     app.freeze()
