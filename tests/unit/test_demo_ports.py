@@ -56,6 +56,11 @@ def test_a_port_base_gives_five_ports_in_a_row() -> None:
 def test_a_taken_port_of_the_block_is_named() -> None:
     base = free_block()
     with socket.socket() as held:
+        # As the demo's servers bind (and port_free checks): a port free_block
+        # found free may still hold an earlier test's connection in TIME_WAIT,
+        # which a bind without it is refused (CI: EADDRINUSE here). A listener
+        # so bound still makes the port taken to the check.
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("127.0.0.1", base + 3))
         held.listen()
         said = fixed_ports(base)
