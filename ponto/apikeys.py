@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ __all__ = [
     "is_key_id",
     "issue_key",
     "parse_key_id",
+    "redact_keys",
 ]
 
 KEY_PREFIX = "sk-ponto-"
@@ -47,6 +49,9 @@ KEY_LENGTH = _ID_END + 1 + _SECRET_LENGTH  # 63
 
 _ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 _SECRET_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+# A key's id and as much of its secret as follows it (a text cut short may
+# hold part of one); `redact_keys` keeps the id.
+_KEY_IN_TEXT = re.compile(r"(sk-ponto-[a-z2-7]{10}-)[A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,21 @@ def parse_key_id(token: str) -> str | None:
     if not _SECRET_ALPHABET.issuperset(token[_ID_END + 1 :]):
         return None
     return key_id
+
+
+def redact_keys(text: str) -> str:
+    """`text` with the secret of every Ponto key in it, whole or cut short,
+    written as ``***`` after the key's id (``sk-ponto-<id>-***``).
+
+    For logs that quote what a client sent (a path, a model name): a client
+    that pastes its key where a model or path goes must not have it written
+    where operators and log pipelines read it, while the id still names the
+    key to revoke. Text without the key prefix is returned as it is, found in
+    C, so the common line pays one substring search.
+    """
+    if KEY_PREFIX not in text:
+        return text
+    return _KEY_IN_TEXT.sub(r"\1***", text)
 
 
 def is_key_id(value: str) -> bool:

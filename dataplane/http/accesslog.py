@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from dataplane import jsonio
+from ponto.apikeys import redact_keys
 
 if TYPE_CHECKING:
     from dataplane.auth.authenticator import Principal
@@ -78,7 +79,7 @@ class AccessRecord:
     ts: str  # when the answer ended, RFC 3339 in UTC with milliseconds
     request_id: str
     method: str
-    path: str  # cut to MAX_PATH characters; never the query string
+    path: str  # cut to MAX_PATH characters, keys' secrets redacted; never the query string
     endpoint: str  # the route's name ("chat.completions", "models", ...) or "other"
     client: str | None  # the client's address, trusted proxies' forwarding believed
     tenant: str | None
@@ -178,7 +179,7 @@ def record(
     if ex is None:
         call = call or _NO_CALL
         return AccessRecord(
-            rfc3339(ended), request_id, method, path[:MAX_PATH], endpoint, client, tenant,
+            rfc3339(ended), request_id, method, _quoted(path), endpoint, client, tenant,
             key_id, None, call.region or region, call.origin or None, call.origin_request_id,
             call.attempts, None, None, False, None, None, None, None, status, error or None, False,
             None, round((finished - started) * ms, 3), None, None, None,
@@ -195,7 +196,7 @@ def record(
         ts=rfc3339(ended),
         request_id=request_id,
         method=method,
-        path=path[:MAX_PATH],
+        path=_quoted(path),
         endpoint=endpoint,
         client=client,
         tenant=tenant,
@@ -244,9 +245,18 @@ def _placement(ex: Exchange) -> str | None:
 
 def _asked_model(body: dict[str, Any]) -> str | None:
     """The model a request named, before or without being found served (a 404
-    names it), cut like the path: the log keeps what was asked for."""
+    names it), cut and redacted like the path: the log keeps what was asked
+    for."""
     model = body.get("model")
-    return model[:MAX_PATH] if isinstance(model, str) else None
+    return _quoted(model) if isinstance(model, str) else None
+
+
+def _quoted(text: str) -> str:
+    """A client's text as a line holds it: cut to MAX_PATH characters, and an
+    API key's secret in it written `***` (ponto.apikeys.redact_keys): a key
+    pasted as the model, or into a path, is the client's mistake, which must
+    not put the secret in every log pipeline the access log feeds."""
+    return redact_keys(text[:MAX_PATH])
 
 
 # The proxy's own endpoints (route names) whose successful answers are

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from dataplane.linebudget import BURST, PER_SECOND, LineBudget
+from ponto.apikeys import redact_keys
 
 __all__ = ["RefusalLog", "printable", "refusals", "unmapped"]
 
@@ -64,7 +65,9 @@ class RefusalLog:
         the reason as the client was told it. Both are the client's text in
         part (a path, a quoted value): each is cut to 200 characters so a huge
         bad value cannot make a huge line, and its control characters are
-        escaped so that it cannot end the line and forge others (trial 36).
+        escaped so that it cannot end the line and forge others (trial 36),
+        and the secret of any API key in it is written `***` (a key pasted
+        where a model or a path goes; ponto.apikeys.redact_keys).
         `about` (whose request it was, what the client is not told) follows
         the message, after its cut, so that a long message cannot cut it off.
         """
@@ -74,12 +77,12 @@ class RefusalLog:
         self._log.info(
             "refused %s %s from %s: %s %s: %s%s%s",
             request_id,
-            printable(what[:200]),
+            printable(redact_keys(what[:200])),
             unmapped(remote) if remote else "-",
             status,
             code or "-",
-            printable(message[:200]),
-            f" {printable(about[:200])}" if about else "",
+            printable(redact_keys(message[:200])),
+            f" {printable(redact_keys(about[:200]))}" if about else "",
             f" ({skipped} more {'refusal' if skipped == 1 else 'refusals'} not logged)"
             if skipped
             else "",

@@ -35,6 +35,7 @@ from dataplane.http.state import ACCESS_LOG, METRICS
 from dataplane.routes import build_routes
 from dataplane.settings import parse
 from dataplane.streaming.usage import Usage
+from ponto.apikeys import issue_key
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 
@@ -165,6 +166,17 @@ def test_a_refusal_before_the_pipeline_has_the_request_and_its_error_only() -> N
     )
     assert len(line["path"]) == 200
     assert line["ttft_ms"] is None and line["attempts"] == 0
+
+
+def test_a_key_pasted_as_the_model_or_into_the_path_is_logged_without_its_secret() -> None:
+    as_model, in_path = issue_key(), issue_key()
+    body = {"model": as_model.key, "messages": []}
+    line = build(exchange(body=body), status=404, error="model_not_found",
+                 path=f"/v1/models/{in_path.key}")  # fmt: skip
+    before = build(None, status=404, error="not_found", path=f"/v1/{in_path.key}")
+    assert line["model"] == f"sk-ponto-{as_model.key_id}-***"
+    assert line["path"] == f"/v1/models/sk-ponto-{in_path.key_id}-***"
+    assert before["path"] == f"/v1/sk-ponto-{in_path.key_id}-***"
 
 
 def test_a_non_stream_has_no_ttft() -> None:

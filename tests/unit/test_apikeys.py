@@ -16,6 +16,7 @@ from ponto.apikeys import (
     is_key_id,
     issue_key,
     parse_key_id,
+    redact_keys,
     secret_of,
 )
 
@@ -101,3 +102,18 @@ def test_repr_hides_the_key() -> None:
     assert issued.key not in text
     assert issued.key_id in text
     assert isinstance(issued, IssuedKey)
+
+
+def test_redact_keys_hides_every_secret_and_keeps_the_ids() -> None:
+    one, two = issue_key(), issue_key()
+    text = f"The model '{one.key}' or {two.key}/x does not exist"
+    shown = redact_keys(text)
+    assert secret_of(one.key) not in shown and secret_of(two.key) not in shown
+    assert f"'{KEY_PREFIX}{one.key_id}-***' or {KEY_PREFIX}{two.key_id}-***/x" in shown
+
+
+def test_redact_keys_hides_a_secret_cut_short_and_leaves_other_text() -> None:
+    key = issue_key().key
+    assert redact_keys(key[:30]) == key[:20] + "***"
+    for text in ("plain", "sk-ponto-", "sk-ponto-NOTANID-secret", "sk-abc-def", ""):
+        assert redact_keys(text) == text

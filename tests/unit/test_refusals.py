@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from dataplane.http.refusals import RefusalLog
+from ponto.apikeys import issue_key, secret_of
 
 
 class Clock:
@@ -48,6 +49,25 @@ def test_a_huge_reason_makes_a_short_line(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="t.huge"):
         log.refused(400, None, "x" * 100_000)
     assert len(caplog.records[0].getMessage()) < 400
+
+
+def test_a_key_the_client_put_in_its_request_is_logged_without_its_secret(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = RefusalLog(logging.getLogger("t.keys"), clock=Clock())
+    path, model, about = issue_key(), issue_key(), issue_key()
+    with caplog.at_level(logging.INFO, logger="t.keys"):
+        log.refused(
+            404,
+            "model_not_found",
+            f"The model '{model.key}' does not exist",
+            what=f"GET /v1/models/{path.key}",
+            about=f"[asked {about.key}]",
+        )
+    line = caplog.records[0].getMessage()
+    for issued in (path, model, about):
+        assert secret_of(issued.key) not in line
+        assert f"sk-ponto-{issued.key_id}-***" in line
 
 
 @pytest.mark.parametrize(
