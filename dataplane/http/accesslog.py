@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from dataplane import jsonio
-from ponto.apikeys import redact_keys
+from dataplane.http.refusals import redact_credentials
 
 if TYPE_CHECKING:
     from dataplane.auth.authenticator import Principal
@@ -79,7 +79,7 @@ class AccessRecord:
     ts: str  # when the answer ended, RFC 3339 in UTC with milliseconds
     request_id: str
     method: str
-    path: str  # cut to MAX_PATH characters, keys' secrets redacted; never the query string
+    path: str  # cut to MAX_PATH characters, credentials redacted; never the query string
     endpoint: str  # the route's name ("chat.completions", "models", ...) or "other"
     client: str | None  # the client's address, trusted proxies' forwarding believed
     tenant: str | None
@@ -252,11 +252,11 @@ def _asked_model(body: dict[str, Any]) -> str | None:
 
 
 def _quoted(text: str) -> str:
-    """A client's text as a line holds it: cut to MAX_PATH characters, and an
-    API key's secret in it written `***` (ponto.apikeys.redact_keys): a key
+    """A client's text as a line holds it: cut to MAX_PATH characters, and a
+    key or token in it redacted (refusals.redact_credentials): a credential
     pasted as the model, or into a path, is the client's mistake, which must
-    not put the secret in every log pipeline the access log feeds."""
-    return redact_keys(text[:MAX_PATH])
+    not put it in every log pipeline the access log feeds."""
+    return redact_credentials(text[:MAX_PATH])
 
 
 # The proxy's own endpoints (route names) whose successful answers are

@@ -14,13 +14,14 @@ Pure but for the logger it writes to; the clock is injected.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
 from dataplane.linebudget import BURST, PER_SECOND, LineBudget
 from ponto.apikeys import redact_keys
 
-__all__ = ["RefusalLog", "printable", "refusals", "unmapped"]
+__all__ = ["RefusalLog", "printable", "redact_credentials", "refusals", "unmapped"]
 
 
 class RefusalLog:
@@ -66,8 +67,8 @@ class RefusalLog:
         part (a path, a quoted value): each is cut to 200 characters so a huge
         bad value cannot make a huge line, and its control characters are
         escaped so that it cannot end the line and forge others (trial 36),
-        and the secret of any API key in it is written `***` (a key pasted
-        where a model or a path goes; ponto.apikeys.redact_keys).
+        and a credential in it is redacted (a key or a token pasted where a
+        model or a path goes; `redact_credentials`).
         `about` (whose request it was, what the client is not told) follows
         the message, after its cut, so that a long message cannot cut it off.
         """
@@ -77,12 +78,12 @@ class RefusalLog:
         self._log.info(
             "refused %s %s from %s: %s %s: %s%s%s",
             request_id,
-            printable(redact_keys(what[:200])),
+            printable(redact_credentials(what[:200])),
             unmapped(remote) if remote else "-",
             status,
             code or "-",
-            printable(redact_keys(message[:200])),
-            f" {printable(redact_keys(about[:200]))}" if about else "",
+            printable(redact_credentials(message[:200])),
+            f" {printable(redact_credentials(about[:200]))}" if about else "",
             f" ({skipped} more {'refusal' if skipped == 1 else 'refusals'} not logged)"
             if skipped
             else "",
@@ -98,6 +99,25 @@ def unmapped(remote: str) -> str:
     if remote.startswith("::ffff:") and "." in remote and ":" not in remote[7:]:
         return remote[7:]
     return remote
+
+
+# A JWT's three base64url parts; the signature is what makes it a credential.
+_JWT_IN_TEXT = re.compile(r"(eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.)[A-Za-z0-9_-]+")
+
+
+def redact_credentials(text: str) -> str:
+    """`text` with every credential a client may send written so that it no
+    longer is one: an API key as ``sk-ponto-<id>-***`` (ponto.apikeys.redact_keys)
+    and a JWT with its signature as ``***`` (its header and claims kept, which
+    name the issuer and the subject).
+
+    For the logs' quotes of a client's text (a path, a model name): a client
+    that pastes its key or token there must not have it written where
+    operators and log pipelines read it. Text that holds neither prefix is
+    returned as it is, told in C."""
+    if "eyJ" in text:
+        text = _JWT_IN_TEXT.sub(r"\1***", text)
+    return redact_keys(text)
 
 
 def printable(text: str) -> str:

@@ -177,6 +177,9 @@ def test_a_key_pasted_as_the_model_or_into_the_path_is_logged_without_its_secret
     assert line["model"] == f"sk-ponto-{as_model.key_id}-***"
     assert line["path"] == f"/v1/models/sk-ponto-{in_path.key_id}-***"
     assert before["path"] == f"/v1/sk-ponto-{in_path.key_id}-***"
+    token = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.c2lnbmF0dXJl"
+    jwt_line = build(exchange(body={"model": token}), status=404, error="model_not_found")
+    assert jwt_line["model"] == "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.***"
 
 
 def test_a_non_stream_has_no_ttft() -> None:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from dataplane.http.refusals import RefusalLog
+from dataplane.http.refusals import RefusalLog, redact_credentials
 from ponto.apikeys import issue_key, secret_of
 
 
@@ -68,6 +68,21 @@ def test_a_key_the_client_put_in_its_request_is_logged_without_its_secret(
     for issued in (path, model, about):
         assert secret_of(issued.key) not in line
         assert f"sk-ponto-{issued.key_id}-***" in line
+
+
+def test_a_jwt_is_logged_without_its_signature(caplog: pytest.LogCaptureFixture) -> None:
+    token = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.c2lnbmF0dXJlLW9mLXRoZS10b2tlbg"
+    log = RefusalLog(logging.getLogger("t.jwt"), clock=Clock())
+    with caplog.at_level(logging.INFO, logger="t.jwt"):
+        log.refused(404, "not_found", f"The model '{token}' does not exist", what=f"GET /{token}")
+    line = caplog.records[0].getMessage()
+    assert "c2lnbmF0dXJl" not in line
+    assert line.count("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.***") == 2
+
+
+def test_redact_credentials_leaves_text_without_one_as_it_is() -> None:
+    for text in ("/v1/chat/completions", "eyJ alone", "a.b.c", "llama-3-8b", ""):
+        assert redact_credentials(text) == text
 
 
 @pytest.mark.parametrize(
