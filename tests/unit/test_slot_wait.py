@@ -247,3 +247,37 @@ async def test_without_a_new_slot_the_wait_ends_in_the_refusal(
     assert not admission.ok and admission.limit == "concurrency"
     assert rl.in_flight(T) == 0
     assert rl._scopes[T].waiting == 0
+
+
+def test_a_concurrency_limit_just_given_waits_for_its_first_slots() -> None:
+    """A scope limited only by rate gets a concurrency limit from a later
+    table: this proxy holds no slot of it until the leader's next shares,
+    while its requests admitted before the limit still run. Refusing them
+    meanwhile answered 429 to a tenant at 20 of 500 (trial 93)."""
+    rl = RateLimiter()
+    rl.configure({T: ScopeLimits(rpm=100_000)}, 0.0)
+    rl.apply_shares({T: Share(1.0, 0)}, 0.0)
+    running = [rl.admit([T], 1, 1.0) for _ in range(3)]
+    assert all(a.ok for a in running)
+    rl.configure({T: ScopeLimits(rpm=100_000, concurrency=500)}, 100.0)
+    refused = rl.admit([T], 1, 100.0)
+    assert not refused.ok and refused.limit == "concurrency"
+    assert rl.may_wait([T], 101.0)
+    assert not rl.may_wait([T], 100.0 + JOIN_WINDOW_S + 0.1)
+    rl.apply_shares({T: Share(1.0, 200)}, 102.0)
+    assert rl.admit([T], 1, 102.0).ok
+
+
+def test_a_concurrency_limit_given_again_waits_for_its_new_slots() -> None:
+    """A limit removed and given again: the slots of the first are gone."""
+    rl = limiter(2)
+    assert rl.admit([T], 1, 1.0).ok
+    rl.configure({T: ScopeLimits(rpm=60)}, 10.0)
+    rl.apply_shares({T: Share(1.0, 0)}, 10.0)
+    rl.configure({T: ScopeLimits(rpm=60, concurrency=4)}, 50.0)
+    assert rl.may_wait([T], 51.0)
+    # A limit merely changed is no new one: the proxy has had its slots.
+    rl.apply_shares({T: Share(1.0, 1)}, 52.0)
+    rl.configure({T: ScopeLimits(rpm=60, concurrency=8)}, 60.0)
+    rl.apply_shares({T: Share(1.0, 0)}, 60.0)
+    assert not rl.may_wait([T], 61.0)
