@@ -132,6 +132,23 @@ def unreachable(detail: str, address: str, options: ClientOptions, flags: Flags 
     )
 
 
+def stopping(replica_id: str) -> str:
+    """The detail a replica ends its proxies' streams with (UNAVAILABLE) as
+    it stops (controlplane.api.routing); `replica_stopping` knows it."""
+    return f"control plane {replica_id} is shutting down"
+
+
+def replica_stopping(code: str, detail: str) -> bool:
+    """Whether a session ended as its control-plane replica stopped, in the
+    replica's own words (`stopping`): a step of a rolling restart, which no
+    setting of the caller's caused."""
+    return (
+        code == "UNAVAILABLE"
+        and detail.startswith("control plane ")
+        and detail.endswith(" is shutting down")
+    )
+
+
 def proxy_refused(code: str, detail: str, address: str, options: ClientOptions) -> str:
     """The proxy's log line for a failed session with the control plane at
     `address`: gRPC's status name `code` and `detail`, and what to fix, naming

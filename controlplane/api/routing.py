@@ -28,7 +28,7 @@ from controlplane.model import NAME_RE, check_name
 from controlplane.quotasync import QuotaHub
 from controlplane.registry import ProxyRegistry
 from controlplane.store import StoreError
-from ponto import tlsfiles
+from ponto import linkadvice, tlsfiles
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -325,9 +325,7 @@ class RoutingService:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if closing in done:
                     context.set_code(grpc.StatusCode.UNAVAILABLE)
-                    context.set_details(
-                        f"control plane {self._registry.replica_id} is shutting down"
-                    )
+                    context.set_details(linkadvice.stopping(self._registry.replica_id))
                     break
                 if reader in done:
                     break  # the proxy left

@@ -306,6 +306,17 @@ class ControlPlaneClient:
                     # have the two take turns.
                     wait = self._superseded_wait
                     self._taken(address, wait)
+                elif linkadvice.replica_stopping(exc.code().name, exc.details() or ""):
+                    # A replica restarted in turn (an upgrade) is no fault:
+                    # said at INFO, without the TLS advice of a control plane
+                    # never reached (trial 93: a warning on every restart).
+                    if self._news(address, exc.details() or ""):
+                        log.info(
+                            "control plane at %s: %s; connecting to %s",
+                            address,
+                            exc.details(),
+                            "another replica" if len(self._addresses) > 1 else "it again",
+                        )
                 elif self._renewed(exc):
                     log.info(
                         "control plane at %s ended the stream as the certificate it was made "

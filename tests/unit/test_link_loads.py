@@ -19,6 +19,7 @@ import pytest
 
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
+from ponto import linkadvice
 from ponto.v1 import routing_pb2 as pb
 
 WAIT = 5.0
@@ -224,3 +225,57 @@ async def test_a_link_whose_name_was_taken_waits_before_taking_it_back(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await server.stop(0)
+
+
+class StoppingRouting(ScriptedRouting):
+    """Each RouteStream ends UNAVAILABLE as a replica that stops ends it."""
+
+    async def route_stream(
+        self, requests: AsyncIterator[pb.RouteRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.RouteUpdate]:
+        if (await anext(requests)).session_id:  # always: the yield makes this a generator
+            await context.abort(grpc.StatusCode.UNAVAILABLE, linkadvice.stopping("cp-2"))
+        yield pb.RouteUpdate()
+
+
+async def test_a_replica_stopping_is_said_at_info_without_tls_advice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica restarted in turn (a rolling upgrade) ends its proxies'
+    streams in its own words: the proxy says so once, at INFO, and moves on,
+    without the advice for a control plane it could not reach (trial 93: a
+    WARNING telling a plaintext fleet to give TLS flags, on every restart)."""
+    caplog.set_level(logging.DEBUG, logger="dataplane.sync.link")
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((StoppingRouting([]).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        sleep=sleep,
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while len(waits) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    said = [r for r in caplog.records if "shutting down" in r.getMessage()]
+    assert said[0].levelno == logging.INFO
+    assert said[0].getMessage() == (
+        f"control plane at 127.0.0.1:{port}: control plane cp-2 is shutting down; "
+        "connecting to it again"
+    )
