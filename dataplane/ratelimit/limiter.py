@@ -181,6 +181,16 @@ CLOSED_REPORTS = 600
 MAX_CARRIED = 8
 
 
+# What `admit` reads of a request's scope names (RateLimiter._group): those
+# limited (None: none), in their order, not to be changed (each admission
+# holds it), and the smallest of their token limits (as _Scope.max_tokens,
+# _NO_MAX: none) with which limit it is.
+_Group = tuple["list[_Scope] | None", int, Limit]
+# At most this many _Groups are kept (a principal's each: JWT subjects come
+# and go); past it they are made again.
+_GROUPS_MAX = 4096
+
+
 class _Scope:
     """One limited scope on this proxy: its buckets, slots and demand counters."""
 
@@ -549,6 +559,10 @@ class RateLimiter:
         seconds), which tells its budget counts from another's (Spent; a
         scope that comes back to the table later counts from then)."""
         self._scopes: dict[str, _Scope] = {}
+        # Per tuple of scope names that `admit` was given, what it reads of
+        # them (_Group): per table, as configure makes the scopes and their
+        # limits (a share changes neither).
+        self._groups: dict[tuple[str, ...], _Group] = {}
         self._shares: dict[str, Share] = {}
         self._budgets: dict[str, Budget] = {}
         self.epoch = epoch
@@ -631,6 +645,7 @@ class RateLimiter:
             shares.pop(name, None)
             self._budgets.pop(name, None)
         self._scopes = scopes
+        self._groups = {}
         self.budgeted = any(st.limits.budgeted for st in scopes.values())
         self._take_owed(now)
 
@@ -1073,32 +1088,23 @@ class RateLimiter:
         expects.
 
         All scopes are checked before any is charged, so a refusal leaves no
-        trace but the demand it shows. Scopes without limits cost one dict
-        lookup; with none limited the shared UNLIMITED admission is returned.
+        trace but the demand it shows. With none limited the shared UNLIMITED
+        admission is returned. Which of `scopes` are limited is looked up
+        once a table when they are a tuple (Principal.scopes: `_group`), and
+        for any other sequence at each call.
         `again`: the same request, after waiting for a slot (`may_wait`); its
         demand is not counted twice.
         """
-        get = self._scopes.get
-        found: list[_Scope] | None = None
-        over = 0  # the smallest token limit the estimate exceeds; 0: none
-        over_limit: Limit = "tokens"
-        for name in scopes:
-            st = get(name)
-            if st is not None:
-                if est_tokens > st.max_tokens and (not over or st.max_tokens < over):
-                    over, over_limit = st.max_tokens, st.max_limit
-                if found is None:
-                    found = [st]
-                else:
-                    found.append(st)
+        group = self._groups.get(scopes) if type(scopes) is tuple else None
+        found, max_tokens, max_limit = self._group(scopes) if group is None else group
         if found is None:
             return UNLIMITED
 
-        if over:
+        if est_tokens > max_tokens:
             # No wait can admit an estimate above a scope's whole token limit;
             # it is refused before it counts as demand.
-            wait = 60.0 if over_limit == "tokens" else self._unknown_retry_s
-            return Admission(False, (), est_tokens, over_limit, wait, too_large=True, tpm=over)
+            wait = 60.0 if max_limit == "tokens" else self._unknown_retry_s
+            return Admission(False, (), est_tokens, max_limit, wait, too_large=True, tpm=max_tokens)
 
         refused: Limit | None = None
         refused_by: _Scope | None = None
@@ -1178,6 +1184,23 @@ class RateLimiter:
         if self.budgeted:
             self._reserve(admission, est_tokens, most, choices)
         return admission
+
+    def _group(self, scopes: Sequence[str]) -> _Group:
+        """What `admit` reads of `scopes` (a _Group), kept when they are a
+        tuple (Principal.scopes) until the next table."""
+        get = self._scopes.get
+        found = [st for name in scopes if (st := get(name)) is not None]
+        if not found:
+            group: _Group = (None, _NO_MAX, "tokens")
+        else:
+            # The first of the smallest: the limit a refusal names.
+            least = min(found, key=lambda st: st.max_tokens)
+            group = (found, least.max_tokens, least.max_limit)
+        if type(scopes) is tuple:
+            if len(self._groups) >= _GROUPS_MAX:
+                self._groups.clear()
+            self._groups[scopes] = group
+        return group
 
     def _reserve(
         self, admission: Admission, est_tokens: int, most: int | None, choices: int

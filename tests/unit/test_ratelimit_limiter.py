@@ -55,6 +55,33 @@ def test_scopes_without_limits_take_the_shared_unlimited_admission() -> None:
     assert rl.demand(2.0) == {}
 
 
+def test_a_tuple_of_scopes_is_admitted_under_each_tables_limits() -> None:
+    # A principal's scopes are a tuple, whose limited scopes admit keeps
+    # for the table: a new table's must count from the next request on.
+    scopes = (T, K)
+    rl = limiter({T: ScopeLimits(tpm=6000)}, {T: Share(1.0), K: Share(1.0)})
+    assert rl.admit(scopes, 5000, 60.0).ok
+    rl.configure({T: ScopeLimits(tpm=6000), K: ScopeLimits(tpm=1000)}, 60.0)
+    refused = rl.admit(scopes, 5000, 60.0)
+    assert refused.too_large and refused.tpm == 1000
+    assert rl.admit(scopes, 10, 60.0).ok
+    assert rl.in_flight(K) == 1
+    rl.configure({}, 61.0)
+    assert rl.admit(scopes, 5000, 61.0) is UNLIMITED
+
+
+def test_the_first_of_the_smallest_token_limits_refuses_a_request_too_large() -> None:
+    rl = limiter(
+        {T: ScopeLimits(tpm=600), K: ScopeLimits(tokens_per_day=600), "t/x": ScopeLimits(tpm=900)},
+        {T: Share(1.0), K: Share(1.0), "t/x": Share(1.0)},
+    )
+    for scopes in (("t/x", T, K), ["t/x", T, K], ("t/x", K, T)):
+        refused = rl.admit(scopes, 700, 60.0)
+        first = "tokens" if scopes[1] == T else "tokens_per_day"
+        assert refused.too_large and (refused.tpm, refused.limit) == (600, first)
+    assert rl.admit((T, K), 600, 60.0).ok
+
+
 # ---------------------------------------------------------------- requests
 
 
