@@ -23,6 +23,7 @@ from dataplane.ratelimit import (
     estimate_text_tokens,
     format_duration,
 )
+from dataplane.ratelimit import limiter as limiter_module
 from dataplane.ratelimit.limiter import DEMAND_HORIZON_S
 from dataplane.ratelimit.tokens import completion_bound, continues_stored
 from ponto.quota_types import NO_SHARE
@@ -68,6 +69,16 @@ def test_a_tuple_of_scopes_is_admitted_under_each_tables_limits() -> None:
     assert rl.in_flight(K) == 1
     rl.configure({}, 61.0)
     assert rl.admit(scopes, 5000, 61.0) is UNLIMITED
+
+
+def test_the_scopes_kept_for_admission_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One kept per principal (JWT subjects come and go): at most _GROUPS_MAX.
+    monkeypatch.setattr(limiter_module, "_GROUPS_MAX", 2)
+    rl = limiter({T: ScopeLimits(rpm=60)}, {T: Share(1.0)})
+    for i in range(5):
+        assert rl.admit((T, f"k/{i}"), 1, 60.0).ok
+        assert len(rl._groups) <= 2
+    assert rl.in_flight(T) == 5
 
 
 def test_the_first_of_the_smallest_token_limits_refuses_a_request_too_large() -> None:
