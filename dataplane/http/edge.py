@@ -70,7 +70,7 @@ from aiohttp.http_exceptions import (
     InvalidURLError,
     LineTooLong,
 )
-from aiohttp.http_parser import RawRequestMessage
+from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
 from aiohttp.http_writer import StreamWriter, _serialize_headers
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_exceptions import HTTPException
@@ -785,10 +785,19 @@ class EdgeProtocol(web_protocol.RequestHandler):
             if new > 1:  # pipelined heads in one read: each is checked
                 if self._refused_one(new):
                     return
-            elif not isinstance(message, web_protocol._ErrInfo) and (refusal := _refusal(message)):
-                self._messages.pop()
-                self._refuse_head(refusal)
-                return
+            elif not isinstance(message, web_protocol._ErrInfo):
+                if refusal := _refusal(message):
+                    self._messages.pop()
+                    self._refuse_head(refusal)
+                    return
+            elif heading and (unframed := _unframed_request(data)) is not None:
+                # The parser refused the bytes after a head that declared no
+                # body, and dropped that head's request with them: the
+                # request is answered instead (an API route's answer is its
+                # empty body's 400), and its connection closed, which answers
+                # nothing for the bytes (as when they come in a later read,
+                # after that answer: pipeline.empty_body).
+                self._messages[-1] = (unframed, payload)
             if (
                 isinstance(message, web_protocol._ErrInfo)
                 and self._payload is not None
@@ -1298,6 +1307,33 @@ def _refusal(message: RawRequestMessage) -> BadHttpMessage | None:
     if message.chunked and message.headers[hdrs.TRANSFER_ENCODING].strip().lower() != "chunked":
         return CodingNotSupported("transfer coding not supported")
     return None
+
+
+def _unframed_request(data: bytes) -> RawRequestMessage | None:
+    """The request of the POST head `data` begins with, when that head is
+    whole, the parser takes it alone, it declares no body (neither
+    Content-Length nor Transfer-Encoding) and bytes follow it in `data` (a
+    body sent unframed, most likely); marked to close its connection. None
+    for anything else. Parses the head again: called only for a read the
+    parser refused."""
+    end = data.find(b"\r\n\r\n") + 4
+    if end < 4 or end == len(data) or not data.startswith(b"POST "):
+        return None
+    loop = asyncio.get_running_loop()
+    parser = HttpRequestParser(
+        None, loop, 2**16, max_line_size=MAX_LINE, max_field_size=MAX_FIELD, max_headers=MAX_HEADERS
+    )
+    try:
+        messages, _, _ = parser.feed_data(data[:end])
+    except HttpProcessingError:
+        return None
+    if len(messages) != 1:
+        return None
+    message: RawRequestMessage = messages[0][0]
+    headers = message.headers
+    if hdrs.CONTENT_LENGTH in headers or hdrs.TRANSFER_ENCODING in headers:
+        return None
+    return message._replace(should_close=True)
 
 
 def parser_error(exc: HttpProcessingError) -> ApiError:

@@ -76,12 +76,17 @@ class ApiError(Exception):
         headers = {**self.headers, **(extra_headers or {})}
         if self.attempts:  # as a successful answer says how many origin calls it took
             headers["x-ponto-attempts"] = str(self.attempts)
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=self.body(),
             content_type="application/json",
             headers=headers,
         )
+        if headers.get("connection") == "close":
+            # As the header says: aiohttp keeps a connection whose request's
+            # body was read whole (pipeline.empty_body's) unless told.
+            response.force_close()
+        return response
 
 
 class Unauthorized(ApiError):

@@ -26,6 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from aiohttp import hdrs, web
+from aiohttp.streams import EMPTY_PAYLOAD
 from multidict import CIMultiDictProxy
 
 from dataplane import jsonio
@@ -1550,6 +1551,11 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     headers = request.headers
     sent = headers.get(hdrs.CONTENT_TYPE)
     if sent != "application/json" and request.content_type != "application/json":
+        if request.content is EMPTY_PAYLOAD:
+            # No body at all (Content-Length: 0, or no framing: `curl -X POST`
+            # sends no type either): the missing body is what to fix, not a
+            # type the client had nothing to send under.
+            raise empty_body(request)
         # aiohttp reports a missing header as application/octet-stream.
         shown = "missing" if sent is None else request.content_type
         raise ApiError(
@@ -1618,8 +1624,26 @@ def _decoded(request: web.Request, raw: bytes, limit: int) -> bytes:
     """A body read, its content coding undone; 400 when it is empty."""
     raw = decode_body(raw, request.headers.get("content-encoding"), limit)
     if not raw:
-        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+        raise empty_body(request)
     return raw
+
+
+def empty_body(request: web.Request) -> ApiError:
+    """The refusal of a request without a body (or one that decodes to
+    nothing). A head with neither Content-Length nor Transfer-Encoding has no
+    body in HTTP/1.1 (RFC 9112 6.3), so bytes its client sent after it would
+    be read as the next request's head: the answer says so and closes the
+    connection, which answers nothing for them."""
+    headers = request.headers
+    if hdrs.CONTENT_LENGTH in headers or hdrs.TRANSFER_ENCODING in headers:
+        return bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    return ApiError(
+        400,
+        "request body is empty; expected a JSON object (the request has neither "
+        "Content-Length nor Transfer-Encoding, so HTTP/1.1 reads no body after its head)",
+        code="invalid_json",
+        headers={"connection": "close"},
+    )
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

@@ -686,6 +686,72 @@ async def test_pipelined_requests_are_answered_in_order_and_garbage_after_them_r
     assert edge.origin_requests() == 2
 
 
+EMPTY = "request body is empty; expected a JSON object"
+UNFRAMED = (
+    EMPTY + " (the request has neither Content-Length nor Transfer-Encoding, so HTTP/1.1 "
+    "reads no body after its head)"
+)
+UNTYPED = b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer %s\r\n" % (
+    KEY.key.encode()
+)
+
+
+@pytest.mark.parametrize(
+    ("sent", "later", "message"),
+    [
+        (head(length=0), b"", EMPTY),
+        (head(length=None), b"", UNFRAMED),
+        (head(length=None) + BODY, b"", UNFRAMED),
+        (head(length=None), BODY, UNFRAMED),
+        (UNTYPED + b"Content-Length: 0\r\n\r\n", b"", EMPTY),
+        (UNTYPED + b"\r\n", b"", UNFRAMED),
+        (UNTYPED + b"\r\n" + BODY, b"", UNFRAMED),
+    ],
+    ids=[
+        "length-0",
+        "unframed",
+        "unframed-body-in-the-read",
+        "unframed-body-in-a-later-read",
+        "untyped-length-0",
+        "untyped-unframed",
+        "untyped-unframed-body-in-the-read",
+    ],
+)
+async def test_a_post_without_a_body_gets_the_empty_bodys_400_whatever_follows_its_head(
+    start_edge: Start, caplog: pytest.LogCaptureFixture, sent: bytes, later: bytes, message: str
+) -> None:
+    """HTTP/1.1 reads no body after a head with neither Content-Length nor
+    Transfer-Encoding: such a POST (curl -X POST's, which sends no
+    Content-Type either) is refused as one with Content-Length: 0, not as a
+    415, nor as the next head its body's bytes would be (the parser's
+    'invalid method', which dropped the request). Unframed, the connection
+    closes after the answer: whatever was sent after the head is not read as
+    a request."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(sent)
+    answer = await read_answer(reader)
+    assert answer.status == 400
+    assert answer.error() == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
+    if message == UNFRAMED:
+        if later:
+            writer.write(later)
+        assert await closed(reader)
+    else:
+        writer.write(head() + BODY)  # the connection serves on
+        assert (await read_answer(reader)).status == 200
+    writer.close()
+    await writer.wait_closed()
+    [record] = refusal_records(caplog)
+    assert "POST /v1/chat/completions" in record.getMessage()
+    assert edge.origin_requests() == (0 if message == UNFRAMED else 1)
+
+
 async def test_a_big_body_leaves_its_kept_alive_connection_serving(start_edge: Start) -> None:
     """A body read over many reads is no part of the next request's head (the
     head's byte count once ran on across it, and aiohttp's empty re-parse call
