@@ -1665,11 +1665,10 @@ class Forwarder:
         return bytes(held)
 
     def _watch(self, origin: str, stream: bool) -> CallWatch | NoWatch:
-        """The watch of a call to `origin` made in the current task."""
+        """The watch of a call to `origin` made in the current task: a
+        CallWatch while the watch is on (Stalls.after_s), NO_WATCH when off."""
         stalls, loop = self.stalls, self._loop
         task = asyncio.current_task(loop) if stalls.after_s is not None and loop else None
-        # Stalls.call's watch, made here without its call (a Python call,
-        # some 400 instructions, for every origin call): the watch is on.
         return CallWatch(stalls, origin, task, stream) if task is not None else NO_WATCH
 
 

@@ -191,7 +191,8 @@ class Stalls:
     """The streams in flight by origin, and the origins the table marks unhealthy.
 
     `after_s` is the bound of a wait on an unhealthy origin's stream; None
-    turns the whole thing off (`watch` gives None)."""
+    turns the whole thing off (`watch` gives None; the forwarder then makes no
+    CallWatch, its NO_WATCH in place)."""
 
     def __init__(self, after_s: float | None = DEFAULT_UNHEALTHY_IDLE_S) -> None:
         self.after_s = after_s
@@ -208,13 +209,6 @@ class Stalls:
         watch = StreamWatch(self, origin)
         self.add(watch)
         return watch
-
-    def call(
-        self, origin: str, task: asyncio.Task[object], stream: bool = False
-    ) -> CallWatch | None:
-        """A watch for a call to `origin` made in `task` (`with` it around
-        the call); None when off."""
-        return None if self.after_s is None else CallWatch(self, origin, task, stream)
 
     def on_apply(self, routes: Routes, policy: object) -> None:
         """A table was installed (a TableHolder hook): cap the streams of the

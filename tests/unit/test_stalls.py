@@ -10,10 +10,12 @@ from typing import cast
 import pytest
 from aiohttp import web
 
+from dataplane.metrics import Metrics
 from dataplane.routes import Routes, build_routes
 from dataplane.streaming.relay import Next, relay
 from dataplane.timer import IdleTimeout
-from dataplane.upstream.stalls import Stalled, Stalls, StreamWatch
+from dataplane.upstream.forwarder import Forwarder, UpstreamSettings
+from dataplane.upstream.stalls import NO_WATCH, CallWatch, Stalled, Stalls, StreamWatch
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_stream_relay import Content, Out
@@ -140,9 +142,7 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     async def call(origin: str, answer: asyncio.Event, stream: bool = False) -> str:
         task = asyncio.current_task()
         assert task is not None
-        watch = stalls.call(origin, task, stream)
-        assert watch is not None
-        with watch:
+        with CallWatch(stalls, origin, task, stream):
             hung.set()
             await answer.wait()
             return "answered"
@@ -177,8 +177,24 @@ async def test_a_call_is_cut_once_its_origin_is_marked_unhealthy_and_only_then()
     await asyncio.sleep(0.05)  # five times after_s
     slow.set()
     assert await long == "answered"
-    task = asyncio.current_task()
-    assert task is not None and Stalls(None).call("o0", task) is None
+
+
+async def test_the_forwarder_watches_each_call_while_the_watch_is_on() -> None:
+    """Forwarder._watch, the one maker of CallWatches: a watch of the call's
+    own task, registered under its origin while the call runs; NO_WATCH when
+    Stalls is off (after_s None), and before the forwarder knows its loop."""
+    stalls = Stalls(0.01)
+    on = Forwarder(Metrics(), UpstreamSettings(), stalls=stalls)
+    assert on._watch("o0", False) is NO_WATCH  # no call made yet: no loop
+    on._loop = asyncio.get_running_loop()
+    watch = on._watch("o0", True)
+    assert isinstance(watch, CallWatch)
+    with watch:
+        assert stalls.streams("o0") == 1
+    assert stalls.streams("o0") == 0
+    off = Forwarder(Metrics(), UpstreamSettings(), stalls=Stalls(None))
+    off._loop = asyncio.get_running_loop()
+    assert off._watch("o0", False) is NO_WATCH
 
 
 async def test_a_call_to_an_origin_already_marked_unhealthy_is_cut() -> None:
@@ -190,9 +206,7 @@ async def test_a_call_to_an_origin_already_marked_unhealthy_is_cut() -> None:
     async def call() -> None:
         task = asyncio.current_task()
         assert task is not None
-        watch = stalls.call("o0", task)
-        assert watch is not None
-        with watch:
+        with CallWatch(stalls, "o0", task):
             await asyncio.Event().wait()
 
     # The outer bound only keeps a failure of this test from hanging.
