@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -62,6 +61,7 @@ from controlplane.store import (
     request_bytes,
 )
 from controlplane.store.base import follow
+from ponto.proxynames import same_proxy
 from ponto.quota_types import (
     Budget,
     Demand,
@@ -422,18 +422,6 @@ def _named_rows(proxy: str, demand: Iterable[pb.ScopeDemand]) -> dict[str, dict[
                     row = out.setdefault(c.proxy, {}).setdefault(d.scope, [0.0] * 9)
                     row += columns
     return out
-
-
-def same_proxy(a: str, b: str) -> bool:
-    """Whether names `a` and `b` are of one proxy under some --workers
-    (NAME, NAME-w0, NAME-w1...; dataplane.settings.worker_name). NAME may
-    end as a worker's does (`edge-w2`, whose workers are `edge-w2-w0`...):
-    one name is then the other's NAME."""
-    base_a, base_b = _WORKER.sub("", a), _WORKER.sub("", b)
-    return base_a in (base_b, b) or a == base_b
-
-
-_WORKER = re.compile(r"-w(0|[1-9][0-9]*)$")
 
 
 def _amount(x: float) -> float:

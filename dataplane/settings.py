@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import os
 import re
 import socket
-import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QU
 from ponto.cliargs import finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
+from ponto.proxynames import default_name, worker_name
 from ponto.version import add_version_flag
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
@@ -33,7 +32,6 @@ MAX_ENTRY_KB = 1 << 20  # --cache-max-entry-kb: 1 GB, past any cache bound given
 # A proxy name the control plane accepts (controlplane.model.NAME_RE, which
 # the data plane does not import; a test keeps the two equal).
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
-MAX_NAME = 63
 # --workers at most this many per core the process may use: the supervisor
 # starts every worker at once, each a whole interpreter (about 65 MB), and
 # beyond the cores they only take turns (trial 90: `--workers 100000` on 2
@@ -50,34 +48,6 @@ MIN_HANG_TIMEOUT_S = 5.0
 # says its origin, and whose failure before it is still a plain 502, which
 # the SDKs retry (an error event they do not).
 DEFAULT_STREAM_HOLD_S = 8.0
-
-
-def default_name(hostname: str) -> str:
-    """The proxy name a host's name gives: its accents dropped, lower case,
-    each run of what a name may not hold made one '-' (a host
-    `ip-10-0-0-1.EC2.internal` is `ip-10-0-0-1-ec2-internal`), within
-    MAX_NAME characters (see _within); "proxy" if nothing is left. A
-    hostname with dots or capitals was sent as it was, and the control plane
-    refused it for ever."""
-    ascii_ = unicodedata.normalize("NFKD", hostname).encode("ascii", "ignore").decode()
-    name = re.sub(r"[^a-z0-9]+", "-", ascii_.lower()).strip("-")
-    return _within(name, MAX_NAME) if name else "proxy"
-
-
-def worker_name(name: str, index: int, workers: int) -> str:
-    """Worker `index`'s name, `NAME-wI`, within MAX_NAME characters (see
-    _within)."""
-    return _within(name, MAX_NAME - len(f"-w{workers - 1}")) + f"-w{index}"
-
-
-def _within(name: str, room: int) -> str:
-    """`name` if it fits in `room` characters; else its start and 6 hex
-    digits of its hash, so that names that differ only past the cut
-    (generated pod names) stay apart."""
-    if len(name) <= room:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:6]
-    return f"{name[: room - 7].rstrip('-')}-{digest}"
 
 
 @dataclass(frozen=True, slots=True)

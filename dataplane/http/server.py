@@ -66,13 +66,14 @@ from dataplane.settings import Settings
 from dataplane.streaming.splice import TranscriptBudget
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient, traffic_of
-from dataplane.sync.quota import QuotaState, layout_siblings, other_layouts
+from dataplane.sync.quota import QuotaState, other_layouts
 from dataplane.upstream.forwarder import Forwarder
 from dataplane.upstream.jwks import HttpFetch
 from dataplane.upstream.outlier import OutlierDetector
 from dataplane.upstream.stalls import Stalls
 from dataplane.upstream.wire import USER_AGENT
 from ponto.features import FEATURES
+from ponto.proxynames import layout_siblings
 from ponto.v1 import routing_pb2 as pb
 from ponto.version import software_version
 

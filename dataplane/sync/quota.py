@@ -90,7 +90,7 @@ class QuotaState:
         `others`: the state directories of this proxy's names that its
         --workers layout has not (`other_layouts`), whose saved counts this
         process carries to the leader under their names. `siblings`: the
-        names of its layout's other processes (`layout_siblings`), of which
+        names of its layout's other processes (ponto.proxynames.layout_siblings), of which
         it carries no rows: each goes on from its own directory and reports
         them, and a copy another layout saved, sent beside them, would take
         the leader's count of that process back to the copy's in any round
@@ -675,17 +675,6 @@ def other_layouts(state_dir: Path, index: int | None, workers: int) -> list[Path
         if (slot := _slot(p.name)) is not None and slot >= gone_from and p.is_dir()
     )
     return ([root] if index is not None else []) + [p for _, p in slots]
-
-
-def layout_siblings(name: str, index: int | None, workers: int) -> list[str]:
-    """The names of the other processes of worker `index`'s --workers
-    layout, for worker 0 (`name` is NAME-w0: the others are NAME-w1 ...,
-    as dataplane.settings.worker_name cuts NAME for `workers`), the one that
-    carries other names' counts (QuotaState `siblings`); none for the rest."""
-    if index != 0:
-        return []
-    base = name.removesuffix("-w0")
-    return [f"{base}-w{i}" for i in range(1, workers)]
 
 
 def _carried_bytes(c: Spent) -> int:

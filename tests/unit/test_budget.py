@@ -58,7 +58,6 @@ from dataplane.ratelimit.limiter import (
     MAX_CARRIED,
     RateLimiter,
 )
-from dataplane.settings import worker_name
 from dataplane.sync import quota as quota_module
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
@@ -66,9 +65,9 @@ from dataplane.sync.quota import (
     COUNTS_FILE,
     QUOTA_FILE,
     QuotaState,
-    layout_siblings,
     other_layouts,
 )
+from ponto.proxynames import layout_siblings, worker_name
 from ponto.quota_types import (
     Budget,
     Demand,

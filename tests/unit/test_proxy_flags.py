@@ -13,22 +13,23 @@ characters long), and those workers answered 503 for ever."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from controlplane.model import NAME_RE as CONTROL_NAME_RE
 from dataplane.ratelimit.limiter import DEMAND_TAU_S
-from dataplane.settings import (
+from dataplane.settings import NAME_RE, WorkerSlot, as_worker, parse
+from ponto.geodb import write_city_db, write_db
+from ponto.proxynames import (
     MAX_NAME,
-    NAME_RE,
-    WorkerSlot,
-    as_worker,
+    WORKER_ROOM,
     default_name,
-    parse,
+    layout_siblings,
+    same_proxy,
     worker_name,
 )
-from ponto.geodb import write_city_db, write_db
 from tests.geodb import DOC_RANGES
 
 BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east"]
@@ -80,8 +81,47 @@ def test_a_name_too_long_for_its_suffix_keeps_its_start() -> None:
     pod = "ponto-proxies-" + "x" * 33 + "-7d9f8b6c5-abcde"
     assert len(pod) == MAX_NAME
     name = worker_name(pod, 1, 2)
-    assert len(name) == MAX_NAME
+    assert len(name) == WORKER_ROOM + len("-w1")
     assert name.startswith(pod[:50]) and name.endswith("-w1")
+
+
+LONG = "ponto-proxies-" + "x" * 33 + "-7d9f8b6c5-"  # and 5 characters more
+
+
+@pytest.mark.parametrize("name", ["edge", "edge-w2", "e" * WORKER_ROOM, LONG + "abcde"])
+def test_worker_0_is_told_the_names_its_siblings_register_as(name: str) -> None:
+    """ponto.proxynames.layout_siblings gives worker 0 (QuotaState's
+    siblings: the rows it must not carry) the names the other workers of its
+    layout take (as_worker's, which each registers as), long names cut too."""
+    group = parse([*BASE, "--name", name, "--workers", "2"])
+    for workers in (2, 3, 10, 11, 16):
+        layout = replace(group, workers=workers)
+        names = [as_worker(layout, WorkerSlot(i, Path("run"), 3)).name for i in range(workers)]
+        assert layout_siblings(names[0], 0, workers) == names[1:]
+        assert len(set(names)) == workers and all(CONTROL_NAME_RE.match(n) for n in names)
+
+
+def test_a_long_names_layouts_are_one_proxys_and_another_names_are_not() -> None:
+    """A name past WORKER_ROOM keeps one cut NAME under any --workers: a
+    replica takes its counts carried from one layout for another's names
+    (controlplane.quotasync.same_proxy). Its workers' NAME was cut for the
+    layout's longest suffix: 63 characters under 1, 61 under 2 ... 10, 60
+    from 11, and none of the layouts' names were one proxy's. A name that
+    differs past the cut stays another proxy's."""
+    one, other = LONG + "abcde", LONG + "fghij"
+    for a in (one, other):
+        assert len(a) == MAX_NAME
+    layouts = [[one]] + [[worker_name(one, i, n) for i in range(n)] for n in (2, 10, 11, 16)]
+    names = [n for layout in layouts for n in layout]
+    assert all(same_proxy(a, b) for a in names for b in names)
+    others = [other] + [worker_name(other, i, n) for n in (2, 11) for i in range(n)]
+    assert not any(same_proxy(a, b) for a in names for b in others)
+    # Short names: a worker's NAME is the whole name; edge-w2's workers are
+    # not edge-w3's (review 373).
+    assert same_proxy("edge-w2", worker_name("edge-w2", 1, 4))
+    assert same_proxy("edge-w2-w0", "edge-w2-w5")
+    assert not same_proxy("edge-w3-w0", "edge-w2")
+    assert not same_proxy("edge", "edge2-w0")
 
 
 def test_a_group_of_a_63_character_name_gives_workers_the_control_plane_accepts() -> None:
