@@ -504,6 +504,9 @@ class QuotaState:
         if other:
             for scope, s in saved.items():
                 carried.setdefault(scope, []).append(replace(s, proxy=proxy))
+            # Its debts are times at another share than this process's: owed
+            # here they would be another amount (docs/rate-limits.md, "A proxy
+            # restarts while the control plane is down").
             saved, debts = {}, {}
         wall = self._wall()
         # Older, the leader may have folded that process (two silent days),

@@ -1857,6 +1857,45 @@ def test_a_saved_debt_is_owed_an_hour_at_most(tmp_path: Path) -> None:
     stop(state)
 
 
+def test_a_workers_change_carries_the_old_names_counts_but_not_their_debts(
+    tmp_path: Path,
+) -> None:
+    """A debt is saved as the time its bucket is repaid at its process's
+    share; another layout's processes have other shares, so worker 0 of
+    the next layout, which carries the old name's budget counts, owes none
+    of its debts (docs/rate-limits.md: an amount it cannot know)."""
+    (tmp_path / COUNTS_FILE).write_bytes(
+        orjson.dumps(
+            {
+                "proxy": "p1",
+                "counts": {SCOPE: [7.0, DAY, 600, 600]},
+                "debts": {SCOPE: [0.0, NOON + 100]},
+            }
+        )
+    )
+    clocks = Clocks(NOON)
+    limiter = RateLimiter(epoch=NOON)
+    name = worker_name("p1", 0, 4)
+    state = QuotaState(
+        limiter,
+        tmp_path / "w0",
+        clock=lambda: clocks.now,
+        wall=lambda: clocks.wall,
+        proxy=name,
+        others=other_layouts(tmp_path / "w0", 0, 4),
+        siblings=layout_siblings(name, 0, 4),
+    )
+    state.load_saved()
+    state.on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    state.on_limits({SCOPE: ScopeLimits(tpm=600, tokens_per_day=1000, tokens_per_month=5000)})
+    [row] = [c for d in state.demand() if d.scope == SCOPE for c in d.closed]
+    assert (row.proxy, row.day_tokens) == ("p1", 600)  # the counts: carried
+    assert limiter.debts(clocks.now) == {}  # the debt: not owed
+    clocks.advance(1.0)  # a bucket starts empty: a second's refill
+    assert limiter.admit([SCOPE], 1, clocks.now).ok
+    stop(state)
+
+
 def test_a_debt_of_a_limit_the_first_table_lacks_is_owed_when_it_comes(tmp_path: Path) -> None:
     """Review: a saved table without the scope's tpm dropped its token debt,
     and the control plane's table then made the bucket full."""
