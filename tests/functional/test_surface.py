@@ -76,7 +76,7 @@ def last_request(s: Stack) -> dict[str, Any]:
         ("GET", "/metrics", {}, 200),
         ("GET", "/v1/chat/completions", AUTH, 405),
         ("POST", "/v1/chat/completions", {}, 401),
-        ("POST", "/v1/responses", AUTH, 415),
+        ("POST", "/v1/responses", AUTH, 400),  # no body (nor type): the empty body's
     ],
 )
 async def test_every_answer_carries_a_request_id(
