@@ -465,7 +465,9 @@ async def _relay_bytes(
                             # at the origin's last chunk, which may come just after.
                             end.complete = True
                             break
-            if parser.over or parser.held > max_event_bytes:
+            # A read of whole one-line events (`verbatim`) leaves nothing held
+            # nor over: `held` (a property, a call) is not asked of it.
+            if not parser.verbatim and (parser.over or parser.held > max_event_bytes):
                 end.cut, end.too_long = _too_long(max_event_bytes), max_event_bytes
                 await out.write(_ending(error_event, last, max_event_bytes))
                 break
@@ -670,14 +672,14 @@ async def _relay_events(
                         verbatim = False
                     if shown is None:
                         continue
-                    ev = Event(shown, ev.name)
+                    data = shown  # framed below without an Event of its own
                 if verbatim:
                     continue
                 # _frame's common case (one data line, no name) inline: per event.
-                if not ev.name and ev.data.find(b"\n") < 0:
-                    frames.append(b"data: " + ev.data + b"\n\n")
+                if not ev.name and data.find(b"\n") < 0:
+                    frames.append(b"data: " + data + b"\n\n")
                 else:
-                    frames.append(_frame(ev))
+                    frames.append(_frame(Event(data, ev.name)))
             if verbatim and not cut:
                 frames = [chunk]
             if frames:
@@ -702,7 +704,8 @@ async def _relay_events(
                 break
             # A block past the bound (its events before it were written), or
             # the one under way: never relayed, in part or whole.
-            if not cut and (parser.over or parser.held > max_event_bytes):
+            # (Not asked of a `verbatim` read: see _relay_bytes.)
+            if not cut and not parser.verbatim and (parser.over or parser.held > max_event_bytes):
                 cut, too_long = _too_long(max_event_bytes), max_event_bytes
             if not cut:
                 try:

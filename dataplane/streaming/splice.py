@@ -124,6 +124,9 @@ class Transcript:
         added at once, one call a read, not one an event; a read that would
         pass a bound goes event by event, so that the bound named is the
         one `event` would name."""
+        if len(events) == 1:  # most reads of a generating origin: no comprehension's frame
+            self.event(events[0])
+            return
         if self.overflow:
             return
         datas = [ev.data for ev in events if not ev.done]

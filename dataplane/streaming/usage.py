@@ -371,6 +371,7 @@ class UsageCounter:
 
     __slots__ = (
         "_keyless",
+        "_null",
         "_parsed",
         "content_events",
         "error_event",
@@ -397,6 +398,10 @@ class UsageCounter:
         # parsed for its usage, with what it parsed to: nor parse it again.
         self._keyless: bytes | None = None
         self._parsed: tuple[bytes, Any] | None = None
+        # The data of the last event counted with a null usage (OpenAI's,
+        # in every chunk of a stream asked for usage): `unasked` cuts it
+        # without searching for it again.
+        self._null: bytes | None = None
 
     def event(self, ev: Event) -> None:
         data = ev.data
@@ -420,6 +425,8 @@ class UsageCounter:
                 found = None if b'"estimated"' in data and _estimated(obj) else usage_of(obj)
                 if found is not None:
                     self.usage = found
+            else:
+                self._null = data
         # Whether it has text (_CONTENT, then _TEXT), inline: this runs for
         # every event. 0x22 is the closing quote of an empty string.
         end = data.find(_CONTENT) + _CONTENT_SIZE
@@ -469,6 +476,8 @@ class UsageCounter:
         searches it."""
         if data is self._keyless:
             return data
+        if data is self._null:  # for_unasked's of a null usage
+            return without_usage_null(data)
         parsed = self._parsed
         if parsed is not None and parsed[0] is data:
             return _unasked_parsed(data, parsed[1])
@@ -484,6 +493,9 @@ class UsageCounter:
 
 _USAGE_KEY = b'"usage"'
 _LAST_USAGE_NULL = b',"usage":null}'
+# OpenAI's place for it: before the `obfuscation` string that ends each chunk.
+_NULL_MEMBER = b'"usage":null,'
+_NULL_BEFORE_OBFUSCATION = _NULL_MEMBER + b'"obfuscation":"'
 _NULL_VALUE = re.compile(rb"\s*:\s*null\s*")
 _COMMA_AFTER = re.compile(rb",\s*")
 _COMMA_BEFORE = re.compile(rb",\s*$")
@@ -499,7 +511,8 @@ def without_usage_null(payload: bytes) -> bytes:
     `"usage"` once, so that is its key, unless the key is spelt with escapes
     (`"\\u0075sage"`): then the cut is checked to leave the object without it.
     Costs a substring search per chunk, and a parse for the chunks that have
-    the key elsewhere than last (OpenAI's, followed by `obfuscation`)."""
+    the key elsewhere than last or before OpenAI's last member (its
+    `obfuscation` string)."""
     at = payload.find(_USAGE_KEY)
     if at < 0 or payload.find(_USAGE_KEY, at + 1) >= 0:
         return payload
@@ -507,6 +520,24 @@ def without_usage_null(payload: bytes) -> bytes:
         # Last before the closing brace, after a comma (vLLM's place for it):
         # the top's member, whatever came before.
         return payload[: -len(_LAST_USAGE_NULL)] + b"}"
+    value = at + len(_NULL_BEFORE_OBFUSCATION)
+    if (
+        payload.startswith(_NULL_BEFORE_OBFUSCATION, at)
+        and payload.endswith(b'"}')
+        and payload[at - 1 : at] in (b",", b"{")
+        and payload.find(b'"', value, len(payload) - 2) < 0
+        and payload.find(b"\\", value) < 0
+        and payload.find(b"\\u") < 0
+    ):
+        # Followed by the object's last member, a string without escapes:
+        # the top's member (a key opens after a comma or a brace, not inside
+        # a string), as the parse below finds it (no key spelt with escapes).
+        return payload[:at] + payload[at + len(_NULL_MEMBER) :]
+    return _null_cut_parsed(payload, at)
+
+
+def _null_cut_parsed(payload: bytes, at: int) -> bytes:
+    """without_usage_null of `payload`, whose one `"usage"` is at `at`, by a parse."""
     obj = jsonio.loads(payload)
     if not isinstance(obj, dict) or "usage" not in obj or obj["usage"] is not None:
         return payload

@@ -14,9 +14,11 @@ from dataplane.streaming.relay import relay
 from dataplane.streaming.sse import Event, SseParser
 from dataplane.streaming.usage import (
     UsageCounter,
+    _null_cut_parsed,
     for_unasked,
     with_usage_asked,
     without_usage_asked,
+    without_usage_null,
 )
 from tests.unit.test_stream_relay import Content
 
@@ -94,6 +96,7 @@ def test_the_counters_trim_is_for_unasked() -> None:
         chunk(choices=CHOICE, usage=None),
         chunk(choices=CHOICE, usage=USAGE),
         b'{"usage": {"prompt_tokens": 1} no JSON',
+        OPENAI,
     ]
     counter = UsageCounter()
     for data, other in itertools.product(datas, datas):
@@ -102,6 +105,45 @@ def test_the_counters_trim_is_for_unasked() -> None:
         assert counter.unasked(bytes(bytearray(other))) == for_unasked(other)
     counter.event(Event(plain))
     assert counter.unasked(usage) is None
+
+
+# OpenAI's chunk of a stream asked for usage: the null usage, then its last
+# member, `obfuscation`.
+OPENAI = (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}],'
+    b'"usage":null,"obfuscation":"aB3x"}'
+)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        OPENAI,
+        OPENAI.replace(b'"aB3x"', b'""'),
+        OPENAI.replace(b'"aB3x"', b'"a\\"b"'),  # escapes in the last string
+        OPENAI.replace(b'"aB3x"', b'"a\\u0041"'),
+        OPENAI.replace(b'"hi"', b'"\\u0068i"'),  # an escape elsewhere
+        OPENAI.replace(b'"aB3x"}', b'"aB3x" }'),
+        OPENAI.replace(b'"aB3x"}', b'"aB3x","x":1}'),
+        OPENAI.replace(b'"usage":null', b'"usage": null'),
+        b'{"usage":null,"obfuscation":"z"}',
+        b'{"x\\"usage":null,"obfuscation":"z"}',  # the key is `x"usage`
+        b'{"a":{"usage":null,"obfuscation":"z"}}',
+        b'{"a":{"usage":null,"obfuscation":"z"},"b":"c"}',
+        b'{"\\u0075sage":1,"usage":null,"obfuscation":"z"}',
+        b'[{"usage":null,"obfuscation":"z"}]',
+    ],
+)
+def test_a_null_usage_before_the_last_string_is_cut_as_a_parse_cuts_it(payload: bytes) -> None:
+    # The cut without a parse (OpenAI's chunks) against the parse's, which
+    # any payload that it does not take gets.
+    at = payload.find(b'"usage"')
+    assert without_usage_null(payload) == _null_cut_parsed(payload, at)
+
+
+def test_openais_null_usage_is_cut_from_its_chunks() -> None:
+    assert without_usage_null(OPENAI) == OPENAI.replace(b'"usage":null,', b"")
 
 
 class Out:
