@@ -343,7 +343,7 @@ class StreamRecorder:
         self._done = False
         # The last chunk kept whose one choice's delta is `{"content": text}`,
         # around that text, and their lengths (`_around_text`), or None.
-        self._like: tuple[bytes, bytes, int, int] | None = None
+        self._like: tuple[bytes, bytes, int, int, bool] | None = None
         self.reason: str | None = None
         # Recording stopped at max_bytes (`ponto_cache_unkept_total`'s too_large).
         self.too_large = False
@@ -482,15 +482,21 @@ class StreamRecorder:
                 # inline: this runs per chunk. A named event goes to
                 # `_record` (the same chunk kept, or an error event refused);
                 # an empty one, or [DONE], has not `head`.
-                head, tail, start, after = like
+                head, tail, start, after, obfuscated = like
                 payload = ev.data
-                end = len(payload) - after
+                # The tail ends at the payload's end, or (OpenAI's) where
+                # its obfuscation string starts, which is matched as the text.
+                value = (
+                    payload.rfind(_OBFUSCATION) + len(_OBFUSCATION) if obfuscated else len(payload)
+                )
+                end = value - after
                 if (
                     not ev.name
                     and end >= start
                     and payload[:start] == head  # slices: startswith parses arguments
-                    and payload[end:] == tail
+                    and payload[end:value] == tail
                     and _TEXT_BODY.fullmatch(payload, start, end) is not None
+                    and (not obfuscated or _last_string(payload, value))
                     and (payload.isascii() or _utf8(payload))
                 ):
                     # `_keep`, its size in a local.
@@ -517,13 +523,17 @@ class StreamRecorder:
             if like is not None:
                 # As in `read` (which says why), for unnamed events: an empty
                 # one, or [DONE], has not `head`, and goes to `_record`.
-                head, tail, start, after = like
-                end = len(payload) - after
+                head, tail, start, after, obfuscated = like
+                value = (
+                    payload.rfind(_OBFUSCATION) + len(_OBFUSCATION) if obfuscated else len(payload)
+                )
+                end = value - after
                 if (
                     end >= start
                     and payload[:start] == head  # slices: startswith parses arguments
-                    and payload[end:] == tail
+                    and payload[end:value] == tail
                     and _TEXT_BODY.fullmatch(payload, start, end) is not None
+                    and (not obfuscated or _last_string(payload, value))
                     and (payload.isascii() or _utf8(payload))
                 ):
                     # `_keep`, its size in a local.
@@ -645,14 +655,20 @@ _TEXT_BODY: Final = re.compile(rb'[^"\\\x00-\x1f]*+(?:\\["\\/bfnrt][^"\\\x00-\x1
 _DELTA_TEXT: Final = b'"delta":{"content":"'
 
 
-def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int] | None:
+def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int, bool] | None:
     """`payload` (a chunk kept, whose one choice's delta is `{"content":
     text}`, with no usage) before and after that text, and their lengths
     (StreamRecorder.read's per chunk, taken once), or None when it is
     not found once, compact, without escapes (`_TEXT_BODY`). A `"delta":`
     key can be no string's bytes (a string's quotes are escaped), so the
     text found is a delta's: the choice's, or one nested where no check of
-    StreamRecorder._record looks."""
+    StreamRecorder._record looks.
+
+    When the chunk ends with OpenAI's `obfuscation` string (the object's
+    last member: a padding that differs in every chunk, which no check of
+    `_record` looks at), the part after the text ends where that string's
+    value starts, and the last item is True: a chunk like it may differ in
+    that value too."""
     at = payload.find(_DELTA_TEXT)
     if at < 0 or payload.find(_DELTA_TEXT, at + 1) >= 0:
         return None
@@ -660,7 +676,25 @@ def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int] | None:
     text = _TEXT_BODY.match(payload, start)
     if text is None or payload[text.end() : text.end() + 1] != b'"':
         return None
-    return payload[:start], payload[text.end() :], start, len(payload) - text.end()
+    end = text.end()
+    value = payload.rfind(_OBFUSCATION) + len(_OBFUSCATION)
+    if value - len(_OBFUSCATION) > end and _last_string(payload, value):
+        return payload[:start], payload[end:value], start, value - end, True
+    return payload[:start], payload[end:], start, len(payload) - end, False
+
+
+# What a chunk of OpenAI's ends with: its `obfuscation` member, a string.
+_OBFUSCATION: Final = b',"obfuscation":"'
+
+
+def _last_string(payload: bytes, value: int) -> bool:
+    """Whether `payload` ends with a string from `value` to its object's
+    closing brace (the top's: the last byte), without `\\u` escapes
+    (`_TEXT_BODY`): no quote in it ends it early, and none after it."""
+    return (
+        payload.endswith(b'"}')
+        and _TEXT_BODY.fullmatch(payload, value, len(payload) - 2) is not None
+    )
 
 
 def _utf8(data: bytes) -> bool:

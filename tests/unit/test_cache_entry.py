@@ -992,6 +992,63 @@ def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
     assert parsed == [_ROLE, texts[0], texts[3], _LAST]
 
 
+# OpenAI's chunks: a null usage, then an `obfuscation` string that differs
+# in each (its value after the text's).
+def _openai(payload: bytes, value: bytes) -> bytes:
+    return payload[:-1] + b',"usage":null,"obfuscation":"' + value + b'"}'
+
+
+_VALUES = [b"aB3x", b"", b"x\\\"y", b"\\u0041", b'un"quoted', b"\\x", b"tab\tx", b"bad \xff",
+           b'","choices":[{"index":0,"finish_reason":"length"}],"x":"']  # fmt: skip
+
+
+@pytest.mark.parametrize("value", _VALUES)
+@pytest.mark.parametrize("text", _TEXTS)
+def test_an_openai_chunk_kept_unparsed_is_kept_as_parsed(text: bytes, value: bytes) -> None:
+    # The chunk before it has another text and value; values a parse takes and refuses.
+    payloads = [
+        _openai(_ROLE, b"r"),
+        _openai(_TEXT % b"first", b"o1"),
+        _openai(_TEXT % text, value),
+        _openai(_TEXT % b"third", value + b"3"),
+        _TEXT % b"no obfuscation",
+        _openai(_TEXT % b"fifth", b"o5"),
+        _openai(_LAST, b"l"),
+    ]
+    assert _recorded(payloads, unparsed=True) == _recorded(payloads, unparsed=False)
+    # `datas`, `read`'s twin, given them as one read's plain events.
+    by_datas = StreamRecorder(store_truncated=True)
+    by_datas.datas(payloads)
+    by_datas.event(Event(b"[DONE]"))
+    entry = by_datas.finish(now=NOW)
+    recorded = (by_datas.reason, entry and entry.chunks, entry and entry.usage_only)
+    assert recorded == _recorded(payloads, unparsed=False)
+
+
+def test_openai_chunks_that_differ_in_their_text_and_obfuscation_alone_are_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[bytes] = []
+    real = jsonio.loads
+
+    def loads(data: bytes | str) -> Any:
+        parsed.append(data if isinstance(data, bytes) else data.encode())
+        return real(data)
+
+    monkeypatch.setattr(jsonio, "loads", loads)
+    texts = [_openai(_TEXT % t, v) for t, v in ((b"one", b"ab"), (b" two", b"c"), (b"3", b""))]
+    recorder = StreamRecorder()
+    for data in [_openai(_ROLE, b"xyz"), *texts, _openai(_LAST, b"q"), b"[DONE]"]:
+        recorder.event(Event(data))
+    entry = recorder.finish(now=NOW)
+    assert entry is not None and entry.chunks == (
+        _openai(_ROLE, b"xyz"),
+        *texts,
+        _openai(_LAST, b"q"),
+    )
+    assert parsed == [_openai(_ROLE, b"xyz"), texts[0], _openai(_LAST, b"q")]
+
+
 _USAGE = b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'  # noqa: E501
 _SAME = Event(_TEXT % b"same")
 _NAMED_ERROR = Event(_TEXT % b"an error", b"error")
