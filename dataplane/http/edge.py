@@ -1020,7 +1020,9 @@ class EdgeProtocol(web_protocol.RequestHandler):
         ):
             return False
         writer = request._payload_writer
-        version = request.version
+        # The fields behind aiohttp's version and method (each a Python call
+        # on its first read), as _put_whole reads keep_alive's.
+        version = request._version
         body = resp._body
         return not (
             resp._payload_writer is not None
@@ -1030,7 +1032,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             or resp._chunked
             or resp._cookies
             or version not in (HttpVersion11, HttpVersion10)
-            or must_be_empty_body(request.method, resp._status)
+            or must_be_empty_body(request._method, resp._status)
             or not isinstance(writer, StreamWriter)
             or writer._on_headers_sent is not None
             or writer._on_chunk_sent is not None
@@ -1055,7 +1057,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         body = resp._body
         writer = request._payload_writer
         assert isinstance(writer, StreamWriter) and (body is None or type(body) is bytes)
-        version = request.version
+        version = request._version
         request._finish()
         size = len(body) if body else 0
         # _lines_of's test in place, where it narrows `resp` for its `typed`.
@@ -1086,7 +1088,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
             added.append(_SERVER_LINE)
         keep_alive = resp._keep_alive
         if keep_alive is None:
-            keep_alive = resp._keep_alive = request.keep_alive
+            keep_alive = resp._keep_alive = not request._message.should_close
         if not connection:
             if keep_alive:
                 if version == HttpVersion10:

@@ -511,9 +511,10 @@ class Pipeline:
         routes, policy = holder.routes, holder.policy
         if routes is None or policy is None:
             raise no_route_table()
-        # The request's own dict: request[...] is a Python call.
+        # The request's own dict: request[...] is a Python call; its headers'
+        # field, as FixedRoutes reads it (aiohttp's property is one too).
         request_id = request._state[REQUEST_ID]
-        return Exchange(endpoint, request.headers, request.remote, request_id, routes, policy)
+        return Exchange(endpoint, request._headers, request.remote, request_id, routes, policy)
 
     def authenticate(self, ex: Exchange) -> None:
         try:
@@ -1548,7 +1549,7 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     # The usual header's value as sent is its media type: aiohttp's property
     # (a parse of the value, a copy of its parameters) is asked only for
     # another, which it lowercases and strips of parameters.
-    headers = request.headers
+    headers = request._headers
     sent = headers.get(hdrs.CONTENT_TYPE)
     if sent != "application/json" and request.content_type != "application/json":
         if request.content is EMPTY_PAYLOAD:
@@ -1571,7 +1572,7 @@ def read_body_now(request: web.Request, limit: int) -> bytes | None:
     length = None if declared is None else int(declared)
     if length is not None and length > limit:
         raise body_too_large(limit)
-    content = request.content
+    content = request._payload
     if length is None or not content.is_eof() or request._read_bytes is not None:
         return None
     try:
@@ -1622,7 +1623,7 @@ def _unread(exc: Exception, limit: int) -> ApiError:
 
 def _decoded(request: web.Request, raw: bytes, limit: int) -> bytes:
     """A body read, its content coding undone; 400 when it is empty."""
-    raw = decode_body(raw, request.headers.get("content-encoding"), limit)
+    raw = decode_body(raw, request._headers.get("content-encoding"), limit)
     if not raw:
         raise empty_body(request)
     return raw

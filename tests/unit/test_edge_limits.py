@@ -445,6 +445,40 @@ async def test_the_fields_read_for_aiohttp_properties_are_what_the_properties_gi
     assert (response._payload_writer, response._eof_sent, response.prepared) == (w, False, True)
 
 
+def test_the_request_fields_read_for_aiohttp_reified_properties_are_what_they_give() -> None:
+    # FixedRoutes, the error boundary, the edge and the pipeline read these
+    # fields in place of aiohttp's reified request properties (each a Python
+    # call on its first read): method, rel_url, headers, version, content,
+    # keep_alive, match_info. The getter's source, then the values.
+    getters = {
+        "method": "return self._method",
+        "rel_url": "return self._rel_url",
+        "headers": "return self._headers",
+        "version": "return self._version",
+        "content": "return self._payload",
+        "keep_alive": "return not self._message.should_close",
+        "match_info": "return match_info",  # self._match_info, asserted set
+    }
+    for name, body in getters.items():
+        getter = inspect.getattr_static(web.Request, name).wrapped
+        source = inspect.getsource(getter).strip().splitlines()
+        assert source[-1].strip() == body, (aiohttp.__version__, name, source)
+    assert "match_info = self._match_info" in inspect.getsource(
+        inspect.getattr_static(web.Request, "match_info").wrapped
+    )
+    for closing in (False, True):
+        request = make_mocked_request(
+            "POST", "/v1/chat/completions?x=1", {"X-A": "b"}, closing=closing
+        )
+        assert (request._method, request._rel_url, request._version) == (
+            request.method, request.rel_url, request.version,
+        )  # fmt: skip
+        assert request._headers is request.headers and request._payload is request.content
+        assert request._rel_url.raw_path == "/v1/chat/completions"
+        assert (not request._message.should_close, request.keep_alive) == (not closing,) * 2
+        assert request._match_info is request.match_info
+
+
 # ---------------------------------------------------------------- flags
 
 
