@@ -1587,6 +1587,21 @@ async def test_the_same_url_reuses_its_endpoint(wire: OriginWire) -> None:
     assert wire._endpoint(url.with_path("/v1/embeddings")) is not first
 
 
+async def test_urls_looked_up_in_turn_each_keep_their_own_endpoint(wire: OriginWire) -> None:
+    # The last URL's endpoint is found by identity first (OriginWire._endpoint):
+    # never another URL's, whatever the order.
+    a = URL("http://127.0.0.1:9/v1/chat/completions")
+    b = URL("http://127.0.0.1:9/v1/embeddings")
+    first_a, first_b = wire._endpoint(a), wire._endpoint(b)
+    assert first_a is not first_b
+    for _ in range(2):
+        assert wire._endpoint(a) is first_a
+        assert wire._endpoint(a) is first_a
+        assert wire._endpoint(b) is first_b
+        assert wire._endpoint(URL(str(a))) is first_a
+        assert wire._endpoint(URL(str(b))) is first_b
+
+
 async def test_beyond_max_endpoints_the_cache_starts_over(
     wire: OriginWire, monkeypatch: pytest.MonkeyPatch
 ) -> None:
