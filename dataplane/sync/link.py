@@ -208,6 +208,9 @@ class ControlPlaneClient:
         # while they fit.
         self._too_large = 0
         self.connected = False
+        # Of the last session (_session), for a session that raised.
+        self._reached = False
+        self._had_table = False
         self.quota_generation = 0
         self.loads_generation = 0
         self.nacks = 0
@@ -324,7 +327,12 @@ class ControlPlaneClient:
                         address,
                     )
                 else:
-                    self._say(address, self._problem(address, exc.code().name, exc.details() or ""))
+                    self._say(
+                        address,
+                        self._problem(
+                            address, exc.code().name, exc.details() or "", reached=self._reached
+                        ),
+                    )
             except (OSError, CredentialError) as exc:  # e.g. a TLS file removed since start
                 self._say(address, f"control plane at {address}: {exc}")
             except Exception as exc:
@@ -338,6 +346,10 @@ class ControlPlaneClient:
                 self.connected = False
                 if self._on_lost is not None:
                     self._on_lost()
+            # A stream that brought a table and then ended (every end but the
+            # proxy's own raises: a replica stopping, a certificate expiring)
+            # is a session that served, as one returning is.
+            got_table = got_table or self._had_table
             if got_table:
                 backoff = self._backoff_min
                 # A fleet whose streams end together (its replica stopping,
@@ -372,10 +384,12 @@ class ControlPlaneClient:
             return False
         return True
 
-    def _problem(self, address: str, code: str, detail: str) -> str:
+    def _problem(self, address: str, code: str, detail: str, *, reached: bool = False) -> str:
         """The log line of a failed session: gRPC's words and what to fix; for
         a connection the control plane closed, first this proxy's own
-        certificate, which may have expired since the proxy started."""
+        certificate, which may have expired since the proxy started.
+        `reached`: the control plane answered this session's Register, so no
+        setting of this proxy's kept it away when the session was then cut."""
         if code == "UNAVAILABLE" and self._credentials.tls_cert:
             try:
                 self._credentials.check_files(self._clock())
@@ -384,6 +398,15 @@ class ControlPlaneClient:
                     f"control plane at {address} is unreachable: {exc}; give a valid one "
                     "with --tls-cert and --tls-key [UNAVAILABLE]"
                 )
+        if code == "UNAVAILABLE" and reached:
+            # A replica killed, or its node lost ("Stream removed (Socket
+            # closed)"), or stopped past its grace ("Cancelling all calls"):
+            # the TLS advice of a control plane never reached misled a
+            # plaintext fleet (review of trial 93's stopping message).
+            return (
+                f"control plane at {address} cut the session under way ({detail}): its "
+                "replica stopped or was lost [UNAVAILABLE]"
+            )
         return linkadvice.proxy_refused(code, detail, address, self._credentials)
 
     def _taken(self, address: str, wait: float) -> None:
@@ -430,6 +453,9 @@ class ControlPlaneClient:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         got_table = False
+        # What `run` reads of a session that raised: whether its Register
+        # was answered, and whether its stream brought a table.
+        self._reached = self._had_table = False
         metadata = self._credentials.metadata
         async with aio_channel(address, self._credentials, options) as channel:
             stub = routing_pb2_grpc.RoutingStub(channel)
@@ -450,6 +476,7 @@ class ControlPlaneClient:
                     self._registration = None
                 raise
             self._registration = (address, reg.session_id)
+            self._reached = True
             outbox: asyncio.Queue[pb.RouteRequest] = asyncio.Queue()
             # A new session's registration holds no warnings yet.
             self._told = ()
@@ -500,7 +527,7 @@ class ControlPlaneClient:
                     self._registration = None
                     self.connected = True
                     if update.HasField("table"):
-                        got_table = True
+                        got_table = self._had_table = True
                         outbox.put_nowait(self._handle(reg.session_id, update))
                         foreign = self._foreign(update.table, address, foreign)
                     if foreign:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto import linkadvice
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_table_holder import table
 
 WAIT = 5.0
 
@@ -278,4 +280,70 @@ async def test_a_replica_stopping_is_said_at_info_without_tls_advice(
     assert said[0].getMessage() == (
         f"control plane at 127.0.0.1:{port}: control plane cp-2 is shutting down; "
         "connecting to it again"
+    )
+
+
+class CutRouting(ScriptedRouting):
+    """Each RouteStream brings a table, then is cut as a replica stopped past
+    its grace cuts it (gRPC's words for a server's cancelled calls)."""
+
+    async def route_stream(
+        self, requests: AsyncIterator[pb.RouteRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.RouteUpdate]:
+        await anext(requests)
+        yield pb.RouteUpdate(table=table(1))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Cancelling all calls")
+
+
+class Middle(random.Random):
+    """Jitter at the middle of its range, so that the range shows."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return (a + b) / 2
+
+
+async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_soon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica killed, lost or stopped past its grace cuts a session under
+    way: the control plane was reached, so a plaintext proxy is not told to
+    give TLS flags, and a session that brought a table comes back after the
+    short spread (0 to 5 backoff-minimums), not the failures' backoff."""
+    caplog.set_level(logging.INFO, logger="dataplane.sync.link")
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        backoff_min=1.0,
+        backoff_max=1.0,
+        sleep=sleep,
+        rng=Middle(),
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while len(waits) < 2:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    assert waits[:2] == [2.5, 2.5]
+    said = [r for r in caplog.records if "Cancelling all calls" in r.getMessage()]
+    assert said[0].levelno == logging.WARNING
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert said[0].getMessage() == (
+        f"control plane at 127.0.0.1:{port} cut the session under way (Cancelling all calls): "
+        "its replica stopped or was lost [UNAVAILABLE]; retrying"
     )
