@@ -29,7 +29,7 @@ from dataplane.http.errors import (
     Unauthorized,
     proxy_stopping,
 )
-from dataplane.http.refusals import refusals
+from dataplane.http.refusals import redact_credentials, refusals
 from dataplane.http.state import (
     ACCESS_LOG,
     CONTINUE_PENDING,
@@ -252,7 +252,7 @@ def _record_or_log(
     try:
         _record(access, m, request, request_id, endpoint, ex, status, error, started)
     except Exception:
-        request.app.logger.exception("unhandled error recording %s", _what(request))
+        request.app.logger.exception("unhandled error recording %s", _logged(request))
 
 
 async def send_whole(request: web.Request, response: web.Response) -> bool:
@@ -533,7 +533,7 @@ def _after_answer(
     connection serving; a stream that stopped part-way is cut with its
     connection, without the chunked end that would make it look whole.
     Logged once, with its traceback; counted with the status the client got."""
-    request.app.logger.exception("unhandled error on %s after its answer began", _what(request))
+    request.app.logger.exception("unhandled error on %s after its answer began", _logged(request))
     if answer.prepared and not answer._eof_sent:  # aiohttp's: its end was not written
         answer.force_close()
         _reset(request.transport)
@@ -589,7 +589,7 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
         # nginx's 499, "client closed request".
         request.app[METRICS].client_disconnects.inc()
         return web.Response(status=CLIENT_CLOSED), CLIENT_GONE
-    request.app.logger.exception("unhandled error on %s %s", request.method, request.path)
+    request.app.logger.exception("unhandled error on %s", _logged(request))
     error = ApiError(500, "internal error in the proxy", type="server_error", code="internal_error")
     return error.response(), "internal_error"
 
@@ -697,6 +697,14 @@ def _what(request: web.Request) -> str:
     a CONNECT's target (host:port, no path) as sent."""
     path = request.rel_url.raw_path or request.raw_path
     return f"{request.method} {path if len(path) <= 200 else path[:200] + '...'}"
+
+
+def _logged(request: web.Request) -> str:
+    """`_what` as a log line other than a refusal's writes it: a key or token
+    the client put in its path redacted (refusals.redact_credentials), as the
+    refusal line and the access log have it; the client's own answers quote
+    `_what` whole."""
+    return redact_credentials(_what(request))
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
+from dataplane.http.boundary import _after_answer, _error_response
 from dataplane.http.refusals import RefusalLog, redact_credentials
 from ponto.apikeys import issue_key, secret_of
 
@@ -105,3 +108,23 @@ def test_the_client_is_named_as_the_access_log_names_it(
         log.refused(400, "invalid_json", "bad", request_id="r1", remote=remote, what="POST /x")
     line = caplog.records[0].getMessage()
     assert line == f"refused r1 POST /x from {shown}: 400 invalid_json: bad"
+
+
+def test_a_bugs_log_line_names_the_path_without_a_credential_in_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lines of an unhandled error name the request as the refusal line
+    does: cut, and a key in its path without its secret (review of trial 92)."""
+    issued = issue_key()
+    request = make_mocked_request("GET", f"/v1/models/{issued.key}", app=web.Application())
+    with caplog.at_level(logging.ERROR):
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError as exc:
+            _error_response(request, exc)
+            _after_answer(request, web.StreamResponse())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        f"unhandled error on GET /v1/models/sk-ponto-{issued.key_id}-***",
+        f"unhandled error on GET /v1/models/sk-ponto-{issued.key_id}-*** after its answer began",
+    ]
