@@ -162,8 +162,10 @@ FIRST_COMPLETION = 256.0
 # a proxy's debt than an hour of the limit either.
 MAX_OWED_S = 3600.0
 
-# How long after a scope appears on this proxy a refusal for want of any slot may
-# wait for the leader's next share instead (see RateLimiter.may_wait).
+# How long after a scope gets its concurrency limit on this proxy (the scope
+# appearing, or a table giving a limit to a scope that had none) a refusal for
+# want of any slot may wait for the leader's next share instead (see
+# RateLimiter.may_wait).
 JOIN_WINDOW_S = 5.0
 # In how many reports a closed day's final counts, and those of a reload's
 # old worker, go (RateLimiter.set_day, carry): ten minutes at one a second,
