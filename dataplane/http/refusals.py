@@ -102,7 +102,9 @@ def unmapped(remote: str) -> str:
 
 
 # A JWT's three base64url parts; the signature is what makes it a credential.
-_JWT_IN_TEXT = re.compile(r"(eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.)[A-Za-z0-9_-]+")
+# Not inside a word ("keyJohn.smith.example" is no token): a token starts
+# a path's segment, a value or a line.
+_JWT_IN_TEXT = re.compile(r"(?<![A-Za-z0-9_-])(eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.)[A-Za-z0-9_-]+")
 
 
 def redact_credentials(text: str) -> str:

@@ -84,7 +84,14 @@ def test_a_jwt_is_logged_without_its_signature(caplog: pytest.LogCaptureFixture)
 
 
 def test_redact_credentials_leaves_text_without_one_as_it_is() -> None:
-    for text in ("/v1/chat/completions", "eyJ alone", "a.b.c", "llama-3-8b", ""):
+    for text in (
+        "/v1/chat/completions",
+        "eyJ alone",
+        "a.b.c",
+        "llama-3-8b",
+        "",
+        "keyJohn.smith.example",  # eyJ inside a word starts no token
+    ):
         assert redact_credentials(text) == text
 
 
