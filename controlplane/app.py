@@ -287,6 +287,7 @@ class ControlPlane:
                 self.publisher,
                 self.audit,
                 token_required=bool(self.settings.security.admin_token),
+                loads=lambda: self.loads.loads,
             ),
             self.server,
         )

@@ -287,13 +287,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         *,
         token_required: bool,
         clock: Callable[[], float] = time.monotonic,
+        loads: Callable[[], pb.OriginLoads | None] = lambda: None,
     ) -> None:
-        """`clock` paces the log lines of refused calls (`refused`)."""
+        """`clock` paces the log lines of refused calls (`refused`); `loads`
+        gives the leader's latest scrape of the origins' load (LoadHub), which
+        ListOrigins reports in flight where it has an origin's."""
         self._catalog = catalog
         self._publisher = publisher
         self.audit = audit
         self.token_required = token_required
         self._refusals = RefusalLog(clock)
+        self._loads = loads
 
     def refused(self, method: str, refusal: Refusal, request: Any, context: Ctx) -> None:
         """Log a call the core refused (grpc_errors) as the guard logs the
@@ -381,8 +385,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         now = time.time()
         known = {o.name for o in state.origins}
         ejections = fleet_ejections(proxies, now)
+        origins = [origin_pb(o, state.health.get(o.name)) for o in state.origins]
+        # The live scrape's requests, as the status page shows them: the
+        # health record's figure is rewritten only when it moves by a tenth
+        # of capacity, so an origin of 64 that went from 1 request to none
+        # read 1/64 for good (trial 94).
+        scraped = self._loads()
+        live = {load.origin: load for load in scraped.loads} if scraped else {}
+        for origin in origins:
+            if (load := live.get(origin.name)) is not None and not origin.not_probed:
+                origin.inflight = load.running + load.waiting
+                origin.inflight_unknown = False
         return apb.ListOriginsResponse(
-            origins=[origin_pb(o, state.health.get(o.name)) for o in state.origins],
+            origins=origins,
             ejections=[
                 apb.OriginEjections(
                     origin=e.origin,
