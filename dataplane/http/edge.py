@@ -779,7 +779,7 @@ class EdgeProtocol(web_protocol.RequestHandler):
         if self._request_count != count:
             # The head is done: what comes next is its body, or the next head
             # (aiohttp also calls with no data, to parse requests it buffered).
-            self._head_bytes = 0
+            head_bytes, self._head_bytes = self._head_bytes, 0
             message, payload = self._messages[-1]
             new = self._request_count - count
             if new > 1:  # pipelined heads in one read: each is checked
@@ -790,13 +790,26 @@ class EdgeProtocol(web_protocol.RequestHandler):
                     self._messages.pop()
                     self._refuse_head(refusal)
                     return
-            elif heading and (unframed := _unframed_request(data)) is not None:
+            elif (
+                heading
+                and head_bytes == len(data)
+                and (unframed := _unframed_request(data)) is not None
+            ):
                 # The parser refused the bytes after a head that declared no
                 # body, and dropped that head's request with them: the
                 # request is answered instead (an API route's answer is its
                 # empty body's 400), and its connection closed, which answers
                 # nothing for the bytes (as when they come in a later read,
-                # after that answer: pipeline.empty_body).
+                # after that answer: pipeline.empty_body). Only a head that
+                # began this read: bytes of one begun in an earlier read are
+                # still in the parser, and a read that begins 'POST ' in a
+                # header's value would be answered as a request never sent.
+                # The edge's own bounds refuse it as any head they refuse
+                # (trial 28: an HTTP/2.0 head served, its version repeated).
+                if refusal := _refusal(unframed):
+                    self._messages.pop()
+                    self._refuse_head(refusal)
+                    return
                 self._messages[-1] = (unframed, payload)
             if (
                 isinstance(message, web_protocol._ErrInfo)

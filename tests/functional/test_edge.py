@@ -752,6 +752,71 @@ async def test_a_post_without_a_body_gets_the_empty_bodys_400_whatever_follows_i
     assert edge.origin_requests() == (0 if message == UNFRAMED else 1)
 
 
+@pytest.mark.parametrize(
+    ("sent", "status", "code"),
+    [
+        # Trial 28's head: served, its version repeated in the status line.
+        (
+            head(length=None).replace(b"HTTP/1.1", b"HTTP/2.0", 1) + BODY,
+            400,
+            "http_version_not_supported",
+        ),
+        (
+            head(CHAT, *(b"X-Big-%d: " % i + b"a" * 7000 for i in range(5)), length=None) + BODY,
+            431,
+            "request_header_fields_too_large",
+        ),
+    ],
+    ids=["http-2.0", "big-head"],
+)
+async def test_an_unframed_head_the_edge_refuses_is_refused_whatever_follows_it(
+    start_edge: Start, caplog: pytest.LogCaptureFixture, sent: bytes, status: int, code: str
+) -> None:
+    """An unframed POST answered as itself (not as the bytes after it) is
+    held to the edge's bounds on heads, as any head the parser takes."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(sent)
+    answer = await read_answer(reader)
+    assert answer.status_line.startswith(b"HTTP/1.1 ")
+    assert (answer.status, answer.error()["code"]) == (status, code)
+    assert await closed(reader)
+    writer.close()
+    await writer.wait_closed()
+    [record] = refusal_records(caplog)
+    assert code in record.getMessage()
+    assert edge.origin_requests() == 0
+
+
+async def test_a_read_that_begins_post_inside_a_head_is_not_answered_as_a_post(
+    start_edge: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A head begun in an earlier read is still the parser's: a read that
+    begins 'POST ...' in one of its header values, and ends in bytes the
+    parser refuses, is that refusal. Taken for an unframed POST's head, it
+    was answered as a request the client never sent (a GET's header value,
+    its later headers the POST's)."""
+    edge = await start_edge()
+    reader, writer = await edge.connect()
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: p\r\nX-Note: ")
+    await wait_open(edge, 1)
+    caps = edge.runner.caps
+    assert caps is not None
+    [conn] = caps._waiting
+    async with asyncio.timeout(10):  # until the edge has read the first part
+        while not conn._head_bytes:
+            await asyncio.sleep(0.01)
+    writer.write(head(length=None) + BODY)
+    answer = await read_answer(reader)
+    assert (answer.status, answer.error()["code"]) == (400, "invalid_http_request")
+    assert await closed(reader)
+    writer.close()
+    await writer.wait_closed()
+    [record] = refusal_records(caplog)
+    assert "POST" not in record.getMessage()
+    assert edge.origin_requests() == 0
+
+
 async def test_a_big_body_leaves_its_kept_alive_connection_serving(start_edge: Start) -> None:
     """A body read over many reads is no part of the next request's head (the
     head's byte count once ran on across it, and aiohttp's empty re-parse call
