@@ -44,6 +44,7 @@ from pathlib import Path
 import orjson
 
 from dataplane.ratelimit.limiter import RateLimiter
+from ponto.proxynames import same_proxy
 from ponto.quota_types import Budget, ScopeLimits, Share, Spent, default_share, utc_day
 from ponto.v1 import routing_pb2 as pb
 from ponto.writefile import state_writer, write_atomic
@@ -475,8 +476,14 @@ class QuotaState:
             # Not another name's: this proxy's own are in its own directory.
             return {}, {}, {}
         if not other and proxy != self._proxy:
-            log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
-            return {}, {}, {}
+            if not isinstance(proxy, str) or not same_proxy(proxy, self._proxy):
+                log.info("budget counts in %s are proxy %s's, not taken", path, proxy)
+                return {}, {}, {}
+            # This proxy's under a name it no longer takes (a NAME of 58 to
+            # 60 characters, which its workers kept whole before
+            # ponto.proxynames cut it for any --workers): carried under that
+            # name, as another layout's, or its last interval would be lost.
+            other = True
         try:
             debts = {
                 str(scope): (float(v[0]), float(v[1])) for scope, v in raw.get("debts", {}).items()

@@ -1896,6 +1896,45 @@ def test_a_workers_change_carries_the_old_names_counts_but_not_their_debts(
     stop(state)
 
 
+@pytest.mark.parametrize("workers", [2, 11])
+def test_a_worker_named_anew_carries_what_its_old_name_saved(tmp_path: Path, workers: int) -> None:
+    """A NAME of 58 to 60 characters was kept whole in its workers' names
+    (NAME-w0, up to 63) and is cut to WORKER_ROOM now: the upgraded worker
+    finds its directory's counts under its old name, this proxy's still
+    (same_proxy), and carries them under it, with the rows that name
+    carried. Taken for another proxy's, they were dropped, and the last
+    interval of the old name with them."""
+    name = "n" * (60 if workers < 11 else 59)
+    old, new = f"{name}-w0", worker_name(name, 0, workers)
+    assert new != old
+    (tmp_path / "w0").mkdir()
+    (tmp_path / "w0" / COUNTS_FILE).write_bytes(
+        orjson.dumps(
+            {
+                "proxy": old,
+                "counts": {SCOPE: [7.0, DAY, 600, 600]},
+                "carried_of": {SCOPE: [["p9", 5.0, DAY, 10, 10]]},
+            }
+        )
+    )
+    clocks = Clocks(NOON)
+    state = QuotaState(
+        RateLimiter(epoch=NOON),
+        tmp_path / "w0",
+        clock=lambda: clocks.now,
+        wall=lambda: clocks.wall,
+        proxy=new,
+        others=other_layouts(tmp_path / "w0", 0, workers),
+        siblings=layout_siblings(new, 0, workers),
+    )
+    state.load_saved()
+    state.on_quota(pb.QuotaShares(generation=1, default_fraction=1.0))
+    state.on_limits({SCOPE: ScopeLimits(tpm=600, tokens_per_day=1000, tokens_per_month=5000)})
+    rows = {(c.proxy, c.day_tokens) for d in state.demand() if d.scope == SCOPE for c in d.closed}
+    assert rows == {(old, 600), ("p9", 10)}
+    stop(state)
+
+
 def test_a_debt_of_a_limit_the_first_table_lacks_is_owed_when_it_comes(tmp_path: Path) -> None:
     """Review: a saved table without the scope's tpm dropped its token debt,
     and the control plane's table then made the bucket full."""
