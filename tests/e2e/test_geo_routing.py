@@ -52,16 +52,19 @@ def started(workdir: Path) -> Iterator[Fleet]:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    """A fleet of the test's own: the test kills, drains or fails a part of it."""
+    """A fleet of the test's own: the test kills a part of it, or drains a
+    region it does not put back."""
     with started(tmp_path) as f:
         yield f
 
 
 @pytest.fixture(scope="module")
 def asked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """One fleet for the tests that only send it requests (about 3 s a start
-    saved for each but the first); they come last, so that it never runs beside
-    a fleet of another test's."""
+    """One fleet for the tests that leave it as they found it (about 3 s a start
+    saved for each but the first): a test that drains a region or fails an
+    origin puts it back, and waits until the proxies have it back, before it
+    ends. They come last, so that it never runs beside a fleet of another
+    test's."""
     with started(tmp_path_factory.mktemp("geo")) as f:
         yield f
 
@@ -101,19 +104,6 @@ def test_killing_nearest_origin_loses_no_request_and_moves_traffic(fleet: Fleet)
     assert origins["o-us-east"].health_detail
 
 
-def test_draining_a_region_stops_new_requests_there(fleet: Fleet) -> None:
-    fleet.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=True))
-    fleet.wait_proxies_at(fleet.wait_table(lambda t: any(r.drained for r in t.regions)))
-    sim = f"http://{fleet.origins['o-us-east'].address}/sim"
-    httpx.post(sim + "/reset")
-    regions = {served_by(fleet, "p-trusting", CLIENTS["us-east"]) for _ in range(20)}
-    assert regions == {"eu-west"}
-    assert httpx.get(sim + "/stats").json()["requests"] == 0
-    fleet.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=False))
-    fleet.wait_proxies_at(fleet.wait_table(lambda t: not any(r.drained for r in t.regions)))
-    assert served_by(fleet, "p-trusting", CLIENTS["us-east"]) == "us-east"
-
-
 def test_drained_region_lets_in_flight_streams_finish(fleet: Fleet) -> None:
     sim = f"http://{fleet.origins['o-us-east'].address}/sim"
     httpx.post(sim + "/config", json={"tokens_per_s": 20})
@@ -133,28 +123,41 @@ def test_drained_region_lets_in_flight_streams_finish(fleet: Fleet) -> None:
     assert r.headers["x-ponto-region"] == "us-east"
 
 
-def test_unhealthy_origin_is_routed_around_after_probes(fleet: Fleet) -> None:
-    sim = f"http://{fleet.origins['o-us-east'].address}/sim"
+# Last in the module: their fleet, started for them, is stopped with the module.
+def test_draining_a_region_stops_new_requests_there(asked: Fleet) -> None:
+    asked.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=True))
+    asked.wait_proxies_at(asked.wait_table(lambda t: any(r.drained for r in t.regions)))
+    sim = f"http://{asked.origins['o-us-east'].address}/sim"
+    httpx.post(sim + "/reset")
+    regions = {served_by(asked, "p-trusting", CLIENTS["us-east"]) for _ in range(20)}
+    assert regions == {"eu-west"}
+    assert httpx.get(sim + "/stats").json()["requests"] == 0
+    asked.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=False))
+    asked.wait_proxies_at(asked.wait_table(lambda t: not any(r.drained for r in t.regions)))
+    assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "us-east"
+
+
+def test_unhealthy_origin_is_routed_around_after_probes(asked: Fleet) -> None:
+    sim = f"http://{asked.origins['o-us-east'].address}/sim"
     httpx.post(sim + "/config", json={"mode": "fail"})
-    version = fleet.wait_table(
+    version = asked.wait_table(
         lambda t: any(o.name == "o-us-east" and not o.healthy for o in t.origins)
     )
-    fleet.wait_proxies_at(version)
+    asked.wait_proxies_at(version)
     httpx.post(sim + "/reset")
-    assert served_by(fleet, "p-trusting", CLIENTS["us-east"]) == "eu-west"
+    assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "eu-west"
     r = httpx.post(
-        fleet.proxy_url("p-trusting") + "/chat/completions",
+        asked.proxy_url("p-trusting") + "/chat/completions",
         json=BODY,
         headers={"x-forwarded-for": CLIENTS["us-east"]},
     )
     assert r.headers["x-ponto-attempts"] == "1"  # not even tried: out of the table
     assert httpx.get(sim + "/stats").json()["requests"] == 0
     httpx.post(sim + "/config", json={"mode": "ok"})
-    fleet.wait_proxies_at(fleet.wait_table(lambda t: all(o.healthy for o in t.origins)), timeout=20)
-    assert served_by(fleet, "p-trusting", CLIENTS["us-east"]) == "us-east"
+    asked.wait_proxies_at(asked.wait_table(lambda t: all(o.healthy for o in t.origins)), timeout=20)
+    assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "us-east"
 
 
-# Last in the module: their fleet, started for them, is stopped with the module.
 def test_clients_land_on_their_nearest_region(asked: Fleet) -> None:
     for region, ip in CLIENTS.items():
         assert served_by(asked, "p-trusting", ip) == region
