@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     garbage."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """After a module's last test (its module fixtures torn down), what still
+    lives is collected and the rest frozen, as after collection: what the
+    tests before made and kept (modules imported as they ran, caches) would
+    otherwise be walked by every full pass after, and by every test's own
+    gc.collect(): late in a full run one took 2.7 s (a loaded 2-core machine),
+    and a test that collects five times took 12.5 s, 0.06 s alone. A test's
+    own garbage is still collected: only what lived when a module ended is
+    frozen, and nothing frozen is garbage then."""
+    outcome = yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        gc.freeze()
+    return outcome
 
 
 def pytest_asyncio_loop_factories(
