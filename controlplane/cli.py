@@ -657,7 +657,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="concurrent requests the origin serves well: the load bound of its placement "
         "and the point past which its region spills (docs/routing.md); 0 or not given: "
-        "unknown",
+        "unknown. A full region is shared by --weight, not capacity: give replicas of "
+        "different sizes weights in proportion to their capacities",
     )
     oa.add_argument(
         "--credential-env",
