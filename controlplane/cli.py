@@ -2204,6 +2204,9 @@ def run(args: argparse.Namespace, stub: Any) -> str:
         # than probe settings said "unchanged" and exited 0.
         lost = _not_saved(asked_origin, _as_spec(o), _as_spec(pb.Origin()))
         parts = [", ".join(o.models), f"weight {o.weight}"]
+        # Trial 95: `--capacity 4` was said nowhere but in `get origins`' INFLIGHT.
+        if o.capacity:
+            parts.append(f"capacity {o.capacity}")
         # As `get origins` shows it: only when not the default (an origin
         # added with --max-tokens-field said nothing of it).
         if o.max_tokens_field:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from controlplane.cli import _origin_notes
 from ponto.v1 import routing_pb2 as pb
+from tests.unit.test_cli_older_plane import OlderPlane, pontoctl
 
 
 def origin(name: str, capacity: int, weight: int = 100, **kw: object) -> pb.Origin:
@@ -37,3 +38,16 @@ def test_one_note_per_region_for_origins_that_serve_several_models() -> None:
     both = ["llama", "embed"]
     notes = _origin_notes([origin("r1", 8, models=both), origin("r2", 2, models=both)])
     assert len(notes) == 1 and "(r1 8/100, r2 2/100)" in notes[0]
+
+
+def test_origin_add_says_the_capacity_it_saved() -> None:
+    """Trial 95: `origin add r6 ... --capacity 4` answered `saved (llama;
+    weight 100)`, as one added with none."""
+    plane = OlderPlane(frozenset())
+    plane.regions["eu"] = pb.Region(name="eu")
+    add = ("origin", "add", "o", "--url", "http://h:8000/v1", "--region", "eu", "--models", "m")
+    assert (
+        pontoctl(plane, *add, "--capacity", "4")
+        == "origin o in eu saved (m; weight 100; capacity 4)"
+    )
+    assert pontoctl(plane, "origin", "add", "p", *add[3:]) == "origin p in eu saved (m; weight 100)"
