@@ -512,7 +512,9 @@ def without_usage_null(payload: bytes) -> bytes:
     (`"\\u0075sage"`): then the cut is checked to leave the object without it.
     Costs a substring search per chunk, and a parse for the chunks that have
     the key elsewhere than last or before OpenAI's last member (its
-    `obfuscation` string)."""
+    `obfuscation` string). Never raises: a payload that is not JSON (an
+    origin's, through `for_unasked`) is left as it came, but for those two
+    places, which are cut unparsed."""
     at = payload.find(_USAGE_KEY)
     if at < 0 or payload.find(_USAGE_KEY, at + 1) >= 0:
         return payload
@@ -537,8 +539,11 @@ def without_usage_null(payload: bytes) -> bytes:
 
 
 def _null_cut_parsed(payload: bytes, at: int) -> bytes:
-    """without_usage_null of `payload`, whose one `"usage"` is at `at`, by a parse."""
-    obj = jsonio.loads(payload)
+    """without_usage_null of `payload`, whose one `"usage"` is at `at`, by a
+    parse; a payload that is not JSON (an origin's malformed chunk, relayed
+    through `for_unasked`) is left as it came, not raised on: the relay's
+    trim runs outside any handler of an origin's bytes."""
+    obj = jsonio.loads_or_none(payload)
     if not isinstance(obj, dict) or "usage" not in obj or obj["usage"] is not None:
         return payload
     value = _NULL_VALUE.match(payload, at + len(_USAGE_KEY))

@@ -146,6 +146,46 @@ def test_openais_null_usage_is_cut_from_its_chunks() -> None:
     assert without_usage_null(OPENAI) == OPENAI.replace(b'"usage":null,', b"")
 
 
+# An origin's chunks that are not JSON, with a null usage the parse is asked
+# to find: elsewhere than last, and in OpenAI's place but with escapes.
+NOT_JSON = [
+    b'{"x":tru,"usage":null,"y":1}',
+    b'{"usage":null,"obfuscation":"\xff\\u0001"}',
+    b'{"usage":null , "obfuscation":"z"',
+]
+
+
+@pytest.mark.parametrize("payload", NOT_JSON)
+def test_a_null_usage_in_a_chunk_that_is_not_json_is_left_as_it_came(payload: bytes) -> None:
+    assert without_usage_null(payload) == payload
+    assert for_unasked(payload) == payload
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["bytes", "events"])
+async def test_a_chunk_that_is_not_json_goes_through_the_trim_as_it_came(resume: bool) -> None:
+    # The trim runs on the origin's bytes in the relay: a malformed chunk
+    # there reaches the client as it came, and the stream goes on to its end
+    # (a parse that raised ended the handler with a traceback, mid-stream).
+    stream = b"".join([frame(chunk(choices=CHOICE, usage=None)), *map(frame, NOT_JSON)])
+    stream += frame(b"[DONE]")
+
+    async def never(cut: str, too_long: int) -> None:
+        raise AssertionError(cut)
+
+    out, counter = Out(), UsageCounter()
+    end = await relay(
+        stream,
+        Content(),
+        out,
+        readers=[counter],
+        trim=counter.unasked,
+        resume=never if resume else None,
+    )
+    assert end.complete
+    expected = stream.replace(b', "usage": null', b"")
+    assert SseParser().feed(b"".join(out.written)) == SseParser().feed(expected)
+
+
 class Out:
     """The client's stream: what was written to it."""
 
