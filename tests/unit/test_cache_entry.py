@@ -1025,6 +1025,26 @@ def test_an_openai_chunk_kept_unparsed_is_kept_as_parsed(text: bytes, value: byt
     assert recorded == _recorded(payloads, unparsed=False)
 
 
+# Ends an OpenAI chunk like the last kept may have in place of its string's
+# closing quote and brace: the object not closed, or closed otherwise.
+_ENDS = [b"x}", b'"]', b'"', b"}", b'"}}', b'"}x']
+
+
+@pytest.mark.parametrize("ending", _ENDS)
+def test_an_openai_chunk_like_the_last_but_for_its_end_is_parsed(ending: bytes) -> None:
+    # Its text and the bytes up to its obfuscation value are the last kept
+    # chunk's shape; what follows the value is not `"}`: a parse refuses it.
+    like = _openai(_TEXT % b"second", b"o2")[:-2] + ending
+    payloads = [_openai(_ROLE, b"r"), _openai(_TEXT % b"first", b"o1"), like, _openai(_LAST, b"l")]
+    recorded = _recorded(payloads, unparsed=False)
+    assert recorded[0] == "a chunk that is not JSON"
+    assert _recorded(payloads, unparsed=True) == recorded
+    by_datas = StreamRecorder(store_truncated=True)
+    by_datas.datas(payloads)
+    by_datas.event(Event(b"[DONE]"))
+    assert by_datas.finish(now=NOW) is None and by_datas.reason == recorded[0]
+
+
 def test_openai_chunks_that_differ_in_their_text_and_obfuscation_alone_are_not_parsed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
