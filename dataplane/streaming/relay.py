@@ -112,8 +112,9 @@ class ReadSink(EventSink, Protocol):
 class DataSink(EventSink, Protocol):
     def datas(self, datas: list[bytes]) -> None:
         """`event` of an unnamed event of each of `datas`, in order, none
-        `[DONE]` and none holding a `"usage"` key (nor, from the relay, the
-        word `error`): the events relay gives a read's plain events so, with
+        `[DONE]` and none holding a `"usage"` key but in a null usage
+        (`"usage":null`, each such key; nor, from the relay, the word
+        `error`): the events relay gives a read's plain events so, with
         no Event made for each, when every reader has this method."""
         ...
 
@@ -181,7 +182,8 @@ class Trim(Protocol):
         """What the client is shown of an event's `data` (its readers, and
         the ending hooks, have the event as it came): `data` itself
         (nearly always, and always for `data` without a `"usage"` key: the
-        events relay does not ask about those of a read's plain events),
+        events relay asks about a read's plain events only when one holds a
+        null usage),
         other bytes, or None for nothing of the event
         (dataplane.streaming.usage.for_unasked)."""
         ...
@@ -596,10 +598,17 @@ async def _relay_events(
                 # those before the first that may be the usage chunk or
                 # [DONE] (nearly all: one search of the read for each) are
                 # plain, each what `event` would take as a content delta,
-                # its trim showing it as it came. Its readers are given their
-                # data at once; no Event is made for each, and none is
-                # looked at by itself again. The rest go as below.
+                # its trim showing it as it came or (a null usage, which
+                # OpenAI puts in every chunk of a stream asked for usage)
+                # without that member. Its readers are given their data at
+                # once; no Event is made for each, and none is looked at by
+                # itself again. The rest go as below.
                 special = chunk.find(b'"usage"')
+                null = -1  # where the first null usage is, if one comes before `special`
+                while special >= 0 and chunk[special + 7 : special + 12] == b":null":
+                    if null < 0:
+                        null = special
+                    special = chunk.find(b'"usage"', special + 12)
                 found = chunk.find(DONE)
                 if special < 0 or 0 <= found < special:
                     special = found
@@ -622,6 +631,17 @@ async def _relay_events(
                     for take in by_datas or ():
                         take(plain)
                     last = Event(plain[-1], b"", len(plain[-1]) + 7)
+                    if trim is not None and 0 <= null < at:
+                        # Their null usages go (a Trim's, after the readers
+                        # had them): each framed as the trim shows it.
+                        verbatim = False
+                        for data in plain:
+                            if (shown := trim(data)) is not None:
+                                frames.append(
+                                    b"data: " + shown + b"\n\n"
+                                    if shown.find(b"\n") < 0
+                                    else _frame(Event(shown))
+                                )
                 events = [Event(data, b"", len(data) + 7) for data in datas[count:]]
             # Such a read, free of errors, reaches the client whole: its
             # readers that take a read at once are given it so.

@@ -444,11 +444,16 @@ class UsageCounter:
 
     def datas(self, datas: list[bytes]) -> None:
         """`event` of an unnamed event of each of `datas`, in order (a
-        DataSink's: the relay gives a read's plain events so), which holds
-        no `"usage"` key and is not `[DONE]`: only its bytes, its text and
-        its finish are looked at, one call a read."""
+        DataSink's: the relay gives a read's plain events so), which is not
+        `[DONE]` and holds no `"usage"` key but in a null usage: only its
+        bytes, its text and its finish are looked at, one call a read."""
         self.event_bytes += sum(map(len, datas))
-        self._keyless = datas[-1]
+        # As `event` leaves them for `unasked` of the last one.
+        last = datas[-1]
+        if last.find(_USAGE_KEY) < 0:
+            self._keyless = last
+        else:
+            self._keyless, self._null = None, last
         finishes, finished = self.finishes, self.finished
         content_events = self.content_events
         for data in datas:

@@ -52,7 +52,8 @@ def event_block(draw: st.DrawFn) -> list[bytes]:
     kind = draw(
         st.sampled_from(
             ["content"] * 6
-            + ["role", "finish", "usage", "usage_null", "error", "named_error", "tool"]
+            + ["usage_null"] * 3
+            + ["role", "finish", "usage", "openai", "error", "named_error", "tool"]
             + ["comment", "multiline", "id", "done", "spaced", "not_json"]
         )
     )
@@ -69,6 +70,22 @@ def event_block(draw: st.DrawFn) -> list[bytes]:
         return [b"data: " + chunk_of(choices=[], usage=usage)]
     if kind == "usage_null":
         return [b"data: " + chunk_of(choices=[choice({"content": text})], usage=None)]
+    if kind == "openai":
+        # OpenAI's: the null usage before the obfuscation string, or spaced,
+        # or two usage keys (one in a choice), or a usage not null after a null one.
+        usage = draw(
+            st.sampled_from(
+                [
+                    b'"usage":null',
+                    b'"usage": null',
+                    b'"usage":null,"x":{"usage":null}',
+                    b'"usage":null,"x":{"usage":1}',
+                ]
+            )
+        )
+        obfuscation = draw(st.sampled_from([b"aZ3", b"", b"\\u00e9", b'\\"']))
+        head = chunk_of(choices=[choice({"content": text})])[:-1]
+        return [b"data: " + head + b"," + usage + b',"obfuscation":"' + obfuscation + b'"}']
     if kind == "error":
         return [b'data: {"error":{"message":"overloaded"}}']
     if kind == "named_error":
