@@ -73,7 +73,7 @@ def event_block(draw: st.DrawFn) -> list[bytes]:
     if kind == "openai":
         # OpenAI's: the null usage before the obfuscation string, or spaced,
         # or two usage keys (one in a choice), or a usage not null after a null one.
-        usage = draw(
+        null = draw(
             st.sampled_from(
                 [
                     b'"usage":null',
@@ -85,7 +85,7 @@ def event_block(draw: st.DrawFn) -> list[bytes]:
         )
         obfuscation = draw(st.sampled_from([b"aZ3", b"", b"\\u00e9", b'\\"']))
         head = chunk_of(choices=[choice({"content": text})])[:-1]
-        return [b"data: " + head + b"," + usage + b',"obfuscation":"' + obfuscation + b'"}']
+        return [b"data: " + head + b"," + null + b',"obfuscation":"' + obfuscation + b'"}']
     if kind == "error":
         return [b'data: {"error":{"message":"overloaded"}}']
     if kind == "named_error":

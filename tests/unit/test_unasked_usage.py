@@ -97,6 +97,11 @@ def test_the_counters_trim_is_for_unasked() -> None:
         chunk(choices=CHOICE, usage=USAGE),
         b'{"usage": {"prompt_tokens": 1} no JSON',
         OPENAI,
+        # Null usages last: one, two keys (left whole), the key's end alone.
+        b'{"id":"c","choices":[],"usage":null}',
+        b'{"x":{"usage":1},"usage":null}',
+        b'{"x":1,usage":null}',
+        b'x,"usage":null}',
     ]
     counter = UsageCounter()
     for data, other in itertools.product(datas, datas):
