@@ -487,7 +487,9 @@ class UsageCounter:
         # of every plain event of a read that holds one).
         if data.endswith(_LAST_USAGE_NULL) and data.find(_USAGE_KEY) == len(data) - 13:
             return data[:-14] + b"}"
-        if data is self._null:  # for_unasked's of a null usage
+        # for_unasked's of a null usage (OpenAI's, before its obfuscation
+        # string: each plain event of a read that holds one), without its call.
+        if data is self._null or data.find(_NULL_USAGE) >= 0:
             return without_usage_null(data)
         parsed = self._parsed
         if parsed is not None and parsed[0] is data:
@@ -503,6 +505,7 @@ class UsageCounter:
 
 
 _USAGE_KEY = b'"usage"'
+_NULL_USAGE = b'"usage":null'
 _LAST_USAGE_NULL = b',"usage":null}'  # 14 bytes, its key 13 from the end
 # OpenAI's place for it: before the `obfuscation` string that ends each chunk.
 _NULL_MEMBER = b'"usage":null,'
