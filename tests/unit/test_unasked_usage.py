@@ -84,6 +84,9 @@ def test_for_unasked() -> None:
     # A usage on a chunk with choices is left (see for_unasked).
     finishing = chunk(choices=CHOICE, usage=USAGE)
     assert for_unasked(finishing) is finishing
+    # No JSON with a null usage elsewhere than last: left as it came, not a failure.
+    for broken in (b'{"usage":null', b'"usage":null}', b'{"usage":null, oops'):
+        assert for_unasked(broken) is broken
 
 
 def test_the_counters_trim_is_for_unasked() -> None:
