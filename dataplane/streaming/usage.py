@@ -484,8 +484,9 @@ class UsageCounter:
         # A null usage last (vLLM's place, the origin simulator's), its key
         # found once (at its place): without_usage_null's first cut, made
         # here without for_unasked's calls and searches (the relay asks this
-        # of every plain event of a read that holds one).
-        if data.endswith(_LAST_USAGE_NULL) and data.find(_USAGE_KEY) == len(data) - 13:
+        # of every plain event of a read that holds one). A slice: endswith
+        # parses its arguments, and this is asked of OpenAI's chunks too.
+        if data[-14:] == _LAST_USAGE_NULL and data.find(_USAGE_KEY) == len(data) - 13:
             return data[:-14] + b"}"
         # for_unasked's of a null usage (OpenAI's, before its obfuscation
         # string: each plain event of a read that holds one), without its call.
