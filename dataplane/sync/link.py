@@ -208,7 +208,9 @@ class ControlPlaneClient:
         # while they fit.
         self._too_large = 0
         self.connected = False
-        # Of the last session (_session), for a session that raised.
+        # Of the session under way or last ended (_session), for `_run` to
+        # read of one that raised: whether its Register was answered, and
+        # whether its stream brought a table. `_run` clears them first.
         self._reached = False
         self._had_table = False
         self.quota_generation = 0
@@ -299,6 +301,10 @@ class ControlPlaneClient:
             address = self._addresses[index]
             index = self._other_than(index)
             got_table = False
+            # Of this session alone: one that raises before its Register (a
+            # TLS file unreadable) must not read as the last one's table, which
+            # would retry it at the short spread for as long as it fails.
+            self._reached = self._had_table = False
             wait = 0.0
             try:
                 got_table = await self._session(address)
@@ -453,9 +459,6 @@ class ControlPlaneClient:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         got_table = False
-        # What `run` reads of a session that raised: whether its Register
-        # was answered, and whether its stream brought a table.
-        self._reached = self._had_table = False
         metadata = self._credentials.metadata
         async with aio_channel(address, self._credentials, options) as channel:
             stub = routing_pb2_grpc.RoutingStub(channel)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto import linkadvice
+from ponto.grpcconn import ClientOptions, CredentialError
 from ponto.v1 import routing_pb2 as pb
 from tests.unit.test_table_holder import table
 
@@ -347,3 +349,54 @@ async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_so
         f"control plane at 127.0.0.1:{port} cut the session under way (Cancelling all calls): "
         "its replica stopped or was lost [UNAVAILABLE]; retrying"
     )
+
+
+class FilesGone(ClientOptions):
+    """Plaintext credentials whose TLS files are readable at the first
+    session's check alone (a file removed since), as check_files says it."""
+
+    checks: ClassVar[list[int]] = []
+
+    def check_files(self, now: datetime.datetime) -> None:
+        self.checks.append(1)
+        if len(self.checks) > 1:
+            raise CredentialError("cannot read TLS CA file /gone: No such file or directory")
+
+
+async def test_a_session_failing_before_its_register_is_not_the_last_ones_table() -> None:
+    """A session that brought a table, then sessions refused before their
+    Register (a TLS file removed): those are failures, retried over the
+    growing backoff, not at the short spread of the session before them."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        backoff_min=1.0,
+        backoff_max=8.0,
+        sleep=sleep,
+        rng=Middle(),
+        credentials=FilesGone(),
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while len(waits) < 3:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    # The cut session's spread (0 to 5 minimums), then full jitter over a
+    # backoff doubling from the minimum: (1 + 2) / 2, then (1 + 4) / 2.
+    assert waits[:3] == [2.5, 1.5, 2.5]
