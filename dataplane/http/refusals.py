@@ -103,8 +103,12 @@ def unmapped(remote: str) -> str:
 
 # A JWT's three base64url parts; the signature is what makes it a credential.
 # Not inside a word ("keyJohn.smith.example" is no token): a token starts
-# a path's segment, a value or a line.
-_JWT_IN_TEXT = re.compile(r"(?<![A-Za-z0-9_-])(eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.)[A-Za-z0-9_-]+")
+# a path's segment, a value or a line, or follows a percent-escape, as the
+# logs quote a path as sent ("/v1/models/Bearer%20eyJ...": the 0 ends "%20").
+_JWT_IN_TEXT = re.compile(
+    r"(?:(?<![A-Za-z0-9_-])|(?<=%[0-9A-Fa-f]{2}))"
+    r"(eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.)[A-Za-z0-9_-]+"
+)
 
 
 def redact_credentials(text: str) -> str:

@@ -83,6 +83,19 @@ def test_a_jwt_is_logged_without_its_signature(caplog: pytest.LogCaptureFixture)
     assert line.count("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.***") == 2
 
 
+@pytest.mark.parametrize(
+    "before",
+    ["GET /", "GET /v1/models/Bearer%20", "GET /v1/models/%22", "GET /x?token=", "Bearer ", ""],
+)
+def test_a_jwt_is_redacted_where_a_path_as_sent_puts_it(before: str) -> None:
+    # The logs quote a path as sent: a separator before a token is
+    # percent-escaped there, the escape's last character a letter or digit.
+    token = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.c2lnbmF0dXJlLW9mLXRoZS10b2tlbg"
+    assert redact_credentials(f"{before}{token} x") == (
+        f"{before}eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.*** x"
+    )
+
+
 def test_redact_credentials_leaves_text_without_one_as_it_is() -> None:
     for text in (
         "/v1/chat/completions",
@@ -91,6 +104,7 @@ def test_redact_credentials_leaves_text_without_one_as_it_is() -> None:
         "llama-3-8b",
         "",
         "keyJohn.smith.example",  # eyJ inside a word starts no token
+        "/v1/models/a%20keyJohn.smith.example",  # nor after an escape's word
     ):
         assert redact_credentials(text) == text
 
