@@ -142,7 +142,7 @@ class ControlPlaneClient:
     replica spreads its proxies over the others rather than moving them all
     to the next one in the list (a rolling restart had ended with every
     proxy on one replica). `rng` is the random source of both, and of the
-    jitter (a seeded one in tests).
+    jitter (a seeded one in tests); `monotonic` times sessions (see _run).
     """
 
     def __init__(
@@ -167,6 +167,7 @@ class ControlPlaneClient:
         clock: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if not addresses:
             raise ValueError("no control plane address")
@@ -179,6 +180,7 @@ class ControlPlaneClient:
         # A worker of a --workers group (see _taken).
         self._in_group = in_group
         self._sleep = sleep
+        self._monotonic = monotonic
         self._random = rng or random.Random()  # noqa: S311 - spreading load, not secrets
         self._task: asyncio.Task[None] | None = None
         self._credentials = credentials or ClientOptions()
@@ -306,6 +308,7 @@ class ControlPlaneClient:
             # would retry it at the short spread for as long as it fails.
             self._reached = self._had_table = False
             wait = 0.0
+            began = self._monotonic()
             try:
                 got_table = await self._session(address)
             except grpc.aio.AioRpcError as exc:
@@ -354,9 +357,13 @@ class ControlPlaneClient:
                     self._on_lost()
             # A stream that brought a table and then ended (every end but the
             # proxy's own raises: a replica stopping, a certificate expiring)
-            # is a session that served, as one returning is.
+            # is a session that served, as one returning is, once it lasted
+            # the longest backoff: a replica that fails every stream just
+            # after its table (crash-looping, or a bug of the stream's) would
+            # have each of its proxies back within the spread, twice a second
+            # on average, for as long as it fails, not backing off.
             got_table = got_table or self._had_table
-            if got_table:
+            if got_table and self._monotonic() - began >= self._backoff_max:
                 backoff = self._backoff_min
                 # A fleet whose streams end together (its replica stopping,
                 # the certificate its proxies share expiring) comes back over

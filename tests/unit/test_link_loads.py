@@ -304,13 +304,26 @@ class Middle(random.Random):
         return (a + b) / 2
 
 
+class Ticks:
+    """A monotonic clock 10 s further on at each reading: every session
+    lasts past the longest backoff, as one that served does."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 10.0
+        return self.now
+
+
 async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_soon(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A replica killed, lost or stopped past its grace cuts a session under
     way: the control plane was reached, so a plaintext proxy is not told to
-    give TLS flags, and a session that brought a table comes back after the
-    short spread (0 to 5 backoff-minimums), not the failures' backoff."""
+    give TLS flags, and a session that brought a table (and lasted the
+    longest backoff) comes back after the short spread (0 to 5
+    backoff-minimums), not the failures' backoff."""
     caplog.set_level(logging.INFO, logger="dataplane.sync.link")
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((CutRouting([]).handler(),))
@@ -330,6 +343,7 @@ async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_so
         backoff_max=1.0,
         sleep=sleep,
         rng=Middle(),
+        monotonic=Ticks(),
     )
     task = asyncio.create_task(link.run())
     try:
@@ -386,6 +400,7 @@ async def test_a_session_failing_before_its_register_is_not_the_last_ones_table(
         sleep=sleep,
         rng=Middle(),
         credentials=FilesGone(),
+        monotonic=Ticks(),
     )
     task = asyncio.create_task(link.run())
     try:
@@ -400,3 +415,41 @@ async def test_a_session_failing_before_its_register_is_not_the_last_ones_table(
     # The cut session's spread (0 to 5 minimums), then full jitter over a
     # backoff doubling from the minimum: (1 + 2) / 2, then (1 + 4) / 2.
     assert waits[:3] == [2.5, 1.5, 2.5]
+
+
+async def test_sessions_cut_just_after_their_table_back_off() -> None:
+    """A replica that cuts every stream just after its table (crash-looping,
+    a bug of the stream's) is a failing one: its proxies back off as from
+    any failure, not back within the short spread each time."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    link = ControlPlaneClient(
+        TableHolder("east", None),
+        [f"127.0.0.1:{port}"],
+        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
+        backoff_min=1.0,
+        backoff_max=8.0,
+        sleep=sleep,
+        rng=Middle(),
+        monotonic=lambda: 0.0,  # each session ends as it starts
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        async with asyncio.timeout(WAIT):
+            while len(waits) < 5:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await server.stop(0)
+    # Full jitter over a backoff doubling from the minimum to the maximum.
+    assert waits[:5] == [1.0, 1.5, 2.5, 4.5, 4.5]
