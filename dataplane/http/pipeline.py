@@ -167,6 +167,7 @@ class Exchange:
     6,100, callgrind on a loop; one a request)."""
 
     __slots__ = (
+        "_estimate",
         "admission",
         "answer",
         "attempts",
@@ -180,7 +181,6 @@ class Exchange:
         "counter",
         "detached",
         "endpoint",
-        "estimate",
         "first_chunk_at",
         "headers",
         "hedge_calls",
@@ -268,8 +268,8 @@ class Exchange:
         # The message lists as the client sent them, kept when the tenant's system
         # prompt may shift their indexes (an origin's error then names the client's).
         self.sent: dict[str, Any] | None = None
-        # admit
-        self.estimate: int = 0
+        # admit; the prompt's estimate is made when first read (`estimate`)
+        self._estimate: int = -1
         self.admission: Admission | None = None
         self.limit_headers: Sequence[tuple[str, str]] = ()
         # cache, answer
@@ -328,6 +328,18 @@ class Exchange:
         # With no trace: the traceparent its origin calls carry (a root request
         # the sampler is known to drop; RequestTracer.unsampled_root).
         self.traceparent: str | None = None
+
+    @property
+    def estimate(self) -> int:
+        """The prompt's estimated tokens (ratelimit.tokens.estimate_prompt_tokens
+        of `body` as admitted: assembly and `pin` change it before admission,
+        nothing after), made at the first read. Most requests never read it:
+        a limit, a budget, a usage the proxy does not believe or counts
+        itself, a hedge or a trace does (some 5,500 instructions a request)."""
+        est = self._estimate
+        if est < 0:
+            est = self._estimate = estimate_prompt_tokens(self.endpoint.name, self.body)
+        return est
 
     def response_headers(self, cache_outcome: str) -> list[tuple[str, str]]:
         """What every answer to this request carries besides the origin's headers:
@@ -668,7 +680,9 @@ class Pipeline:
         """Take the request's place under its scopes' limits, or refuse it (429/400)."""
         limiter = self.limiter
         scopes = ex.principal.scopes
-        ex.estimate = estimate_prompt_tokens(ex.endpoint.name, ex.body)
+        # With no scope limited (the defaults) admission does not read the
+        # estimate: it is not made for it.
+        est = ex.estimate if limiter.limiting else 0
         # Only a budget's charge reads it. Not of a request whose prompt the
         # estimate cannot see whole (a Responses turn on stored state): the
         # completion expected also stands for that prompt (review).
@@ -677,12 +691,10 @@ class Pipeline:
             choices = completion_choices(ex.endpoint.name, ex.body)
             most = completion_bound(ex.endpoint.name, ex.body, choices)
         now = time.monotonic()
-        admission = limiter.admit(scopes, ex.estimate, now, most=most, choices=choices)
+        admission = limiter.admit(scopes, est, now, most=most, choices=choices)
         if not admission.ok and admission.limit == "concurrency" and limiter.may_wait(scopes, now):
             try:
-                admission = await admit_when_slot_frees(
-                    limiter, scopes, ex.estimate, now, most, choices
-                )
+                admission = await admit_when_slot_frees(limiter, scopes, est, now, most, choices)
             except asyncio.CancelledError:
                 # The client left during the wait (a 499), or the proxy
                 # stopped the request as it shut down: a wait all the same.
@@ -761,9 +773,10 @@ class Pipeline:
                 origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
                 ex.trace.answered(origin)
-            # A cancelled hedge still cost its origin the prompt's prefill.
-            ex.hedge_prompt = ex.estimate * origin.extra_calls
-            ex.hedge_calls = origin.extra_calls
+            if origin.extra_calls:
+                # A cancelled hedge still cost its origin the prompt's prefill.
+                ex.hedge_prompt = ex.estimate * origin.extra_calls
+                ex.hedge_calls = origin.extra_calls
             if origin.streamed and origin.status < 400 and plan.leader is not None:
                 return await self.lead(request, ex, origin, plan)
             try:
@@ -1348,7 +1361,7 @@ class Pipeline:
         if usage is None:
             return None
         bound = completion_bound(ex.endpoint.name, ex.body)
-        if within_floors(usage, len(ex.raw), ex.estimate, answer_bytes, bound):
+        if within_floors(usage, len(ex.raw), answer_bytes, bound):
             return usage
         found, why = believed(
             usage,

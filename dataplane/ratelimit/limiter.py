@@ -586,6 +586,9 @@ class RateLimiter:
         # read the completion's bound (`admit`'s `most`). An attribute, not a
         # property: every request reads it, and a property is a call.
         self.budgeted = False
+        # Whether any scope here is limited: with none, `admit` reads no
+        # estimate (the pipeline does not make one for it). An attribute too.
+        self.limiting = False
         # The UTC day budgets count (set_day), and when it and its month end
         # on the monotonic clock of `now`.
         self._day = 0
@@ -649,6 +652,7 @@ class RateLimiter:
         self._scopes = scopes
         self._groups = {}
         self.budgeted = any(st.limits.budgeted for st in scopes.values())
+        self.limiting = bool(scopes)
         self._take_owed(now)
 
     def _next_epoch(self, now: float) -> float:

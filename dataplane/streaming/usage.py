@@ -228,19 +228,19 @@ def ceilings(
     return Ceilings(prompt, bound, HIDDEN_PER_CHOICE * max(1, choices))
 
 
-def within_floors(
-    usage: Usage, raw_size: int, prompt_estimate: int, answer_bytes: int, bound: int | None
-) -> bool:
+def within_floors(usage: Usage, raw_size: int, answer_bytes: int, bound: int | None) -> bool:
     """Whether `believed` takes `usage` as it is, whatever else the request
     holds: its counts are under the least ceilings any request of `raw_size`
-    bytes can have (no media, nothing stored, one choice, nothing continued),
-    with `bound` its completion_bound. A few comparisons, the common case's
-    whole check: `ceilings` counts the request's markers only when it is not
-    (every answer came through it, about 6 us a request)."""
+    bytes can have (no media, nothing stored, one choice, nothing continued,
+    a prompt estimated at 0 tokens), and its prompt is some tokens, with
+    `bound` its completion_bound. A few comparisons, the common case's
+    whole check: `ceilings` counts the request's markers, and the caller
+    estimates the prompt, only when it is not (every answer came through
+    it, about 6 us a request)."""
+    prompt = usage.prompt_tokens
     return (
         not usage.rejected
-        and (usage.prompt_tokens > 0 or not prompt_estimate)
-        and usage.prompt_tokens <= 2 * (raw_size + 4 * prompt_estimate) + PROMPT_SLACK
+        and 0 < prompt <= 2 * raw_size + PROMPT_SLACK
         and usage.completion_tokens <= answer_bytes + HIDDEN_PER_CHOICE
         and (bound is None or usage.completion_tokens <= bound)
     )

@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dataplane.http.state import HOLDER, METRICS
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
+from dataplane.ratelimit import estimate_prompt_tokens
 from ponto.apikeys import issue_key
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -155,6 +156,22 @@ async def test_a_completion_past_max_tokens_is_clamped_to_it(rig: Rig, stream: b
     assert await ask(rig, stream, max_tokens=4, n=2) == 200
     assert (rig.tokens("prompt"), rig.tokens("completion")) == (12, 8)
     assert rig.rejected("past_max_tokens") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("limited", [True, False], ids=["some-limited", "none-limited"])
+async def test_a_prompt_counted_as_none_is_charged_its_estimate(
+    rig: Rig, stream: bool, limited: bool
+) -> None:
+    """Old llama.cpp's "TODO: fill" usage. With no scope limited the
+    estimate is not made at admission, but when the usage needs it."""
+    rig.stack.app[HOLDER].apply(table([("o1", rig.url)], version=5, limited=limited), "test")
+    assert rig.stack.app[PIPELINE].limiter.limiting is limited
+    rig.origin.usage = {"prompt_tokens": 0, "completion_tokens": 3}
+    assert await ask(rig, stream) == 200
+    body = chat(f"how many tokens? {rig.asked}", stream=stream)
+    assert rig.tokens("prompt") == estimate_prompt_tokens("chat.completions", body) > 0
+    assert rig.rejected("no_prompt") == 1
 
 
 async def test_an_honest_count_past_the_answers_text_is_believed(rig: Rig) -> None:

@@ -195,6 +195,7 @@ def admitting(rl: RateLimiter, metrics: Metrics) -> asyncio.Task[None]:
         principal=Principal("acme", "", (T,)),
         endpoint=handlers.ENDPOINTS["chat.completions"],
         body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        estimate=8,  # Exchange.estimate's, of that body
     )
     return asyncio.create_task(pipeline.admit(cast(handlers.Exchange, ex)))
 

@@ -196,26 +196,29 @@ def test_within_floors_is_believed_as_it_is(
     rejected: str,
 ) -> None:
     """The pipeline's quick check (within_floors) stands for `believed` only
-    where `believed` would keep the usage as sent, whatever the request."""
+    where `believed` would keep the usage as sent, whatever the request and
+    its prompt's estimate (which the check does not read)."""
     raw = json.dumps(body).encode()
-    estimate = estimate_prompt_tokens(endpoint, body)
     usage = Usage(prompt, completion, exact=True, rejected=rejected)
     bound = completion_bound(endpoint, body)
-    if within_floors(usage, len(raw), estimate, answer, bound):
-        found = believed(usage, ceilings(endpoint, body, raw, estimate, continued), answer, 0, 0)
-        assert found == (usage, "")
+    if within_floors(usage, len(raw), answer, bound):
+        for estimate in (0, estimate_prompt_tokens(endpoint, body), 10**6):
+            limits = ceilings(endpoint, body, raw, estimate, continued)
+            assert believed(usage, limits, answer, estimate, 0) == (usage, "")
 
 
 def test_within_floors_refers_what_it_cannot_judge() -> None:
     """Each ceiling's floor: a count past it goes to the full judgement."""
     raw = json.dumps({**CHAT, "max_tokens": 16}).encode()
-    estimate = 5
-    floor = 2 * (len(raw) + 4 * estimate) + 16_384
-    assert within_floors(Usage(floor, 16), len(raw), estimate, 10, 16)
-    assert not within_floors(Usage(floor + 1, 16), len(raw), estimate, 10, 16)
-    assert not within_floors(Usage(9, 17), len(raw), estimate, 10, 16)
-    assert not within_floors(Usage(9, 10 + 262_145), len(raw), estimate, 10, None)
-    assert not within_floors(Usage(rejected=INVALID), len(raw), estimate, 10, None)
-    assert not within_floors(Usage(0, 3), len(raw), estimate, 10, None)
-    # An empty completions prompt may be none (a tokenizer without BOS).
-    assert within_floors(Usage(0, 3), len(raw), 0, 10, None)
+    floor = 2 * len(raw) + 16_384  # a prompt estimated at none: the least ceiling
+    assert within_floors(Usage(floor, 16), len(raw), 10, 16)
+    assert not within_floors(Usage(floor + 1, 16), len(raw), 10, 16)
+    assert not within_floors(Usage(9, 17), len(raw), 10, 16)
+    assert not within_floors(Usage(9, 10 + 262_145), len(raw), 10, None)
+    assert not within_floors(Usage(rejected=INVALID), len(raw), 10, None)
+    # A prompt of no tokens is judged against the estimate, which the check
+    # does not have: an empty completions prompt may be none (a tokenizer
+    # without BOS), and `believed` keeps it then.
+    assert not within_floors(Usage(0, 3), len(raw), 10, None)
+    empty = ceilings("completions", {"model": "m", "prompt": ""}, raw, 0)
+    assert believed(Usage(0, 3), empty, 10, 0, 3) == (Usage(0, 3), "")
