@@ -244,11 +244,11 @@ def judge_completion(
     parsed: Any = jsonio.NOT_PARSED,
 ) -> tuple[CachedResponse | None, str | None]:
     """`from_completion`'s entry, and when its choices' finish reasons kept it
-    out, their `finish_refusal` (None otherwise: kept, or not for another
-    reason). With a max_bytes, that refusal gives the answer's
-    `body_unkept_reason` as `unkept_reason(refusal)` does: its checks came
-    first and passed (not too large, a list of choices, each a dict), so the
-    usual answer not kept (one its max_tokens cut) is judged once, not twice."""
+    out, `unkept_reason` of their `finish_refusal` (None otherwise: kept, or
+    not for another reason). With a max_bytes, that reason is the answer's
+    `body_unkept_reason`: its checks came first and passed (not too large, a
+    list of choices, each a dict), so the usual answer not kept (one its
+    max_tokens cut) is judged once, not twice."""
     if max_bytes is not None and len(body) + ENTRY_OVERHEAD > max_bytes:
         return None, None
     obj = jsonio.loads_or_none(body) if parsed is jsonio.NOT_PARSED else parsed
@@ -258,14 +258,22 @@ def judge_completion(
     if kind is None:
         return None, None
     if kind is _CHAT or kind is _TEXT:
-        reasons = []
-        for choice in obj["choices"]:
+        # finish_refusal's judgement of the first choice it refuses, in this
+        # frame as unkept_reason names it: a list of the reasons and the two
+        # calls cost some 2,300 instructions an answer.
+        choices = obj["choices"]
+        unkept = None if choices else INCOMPLETE  # no choices
+        for choice in choices:
             if not isinstance(choice, dict):
                 return None, None
-            reasons.append(choice.get("finish_reason"))
-        refusal = finish_refusal(reasons, store_truncated=store_truncated)
-        if refusal is not None:
-            return None, refusal
+            reason = choice.get("finish_reason")
+            if unkept is None and reason not in NATURAL_FINISH:
+                if reason != "length":
+                    unkept = INCOMPLETE  # none, or not natural
+                elif not store_truncated:
+                    unkept = TRUNCATED
+        if unkept is not None:
+            return None, unkept
     model = obj.get("model")
     # Positional (kind, created_at, model, body): keywords cost the call more.
     return CachedResponse(kind, now, model if isinstance(model, str) else "", body), None

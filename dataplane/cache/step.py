@@ -649,7 +649,7 @@ class EdgeCache:
         if status != 200 or not plan.key:
             return None
         policy = req.tenant.cache
-        entry, refusal = judge_completion(
+        entry, unkept = judge_completion(
             body,
             now=self._clock(),
             store_truncated=policy.store_truncated,
@@ -657,11 +657,11 @@ class EdgeCache:
             parsed=obj,
         )
         if entry is None:
-            # The finish reasons' refusal, when it was that, gives the reason
+            # The finish reasons' refusal, when it was that, is the reason
             # without a second look at the body (judge_completion).
             plan.unkept = (
-                unkept_reason(refusal)
-                if refusal is not None
+                unkept
+                if unkept is not None
                 else body_unkept_reason(
                     body,
                     obj,

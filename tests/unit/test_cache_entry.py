@@ -23,8 +23,10 @@ from dataplane.cache.entry import (
     CachedResponse,
     ResponseKind,
     StreamRecorder,
+    body_unkept_reason,
     from_completion,
     holds_tool_calls,
+    judge_completion,
     split_text,
     to_completion,
     to_sse_chunks,
@@ -1154,3 +1156,40 @@ def _give(recorder: StreamRecorder, events: list[Event]) -> None:
         recorder.read([ev])
     if run:
         recorder.datas(run)
+
+
+_FINISHES = st.sampled_from([None, "stop", "length", "content_filter", "tool_calls"])
+_CHOICE = st.one_of(
+    st.builds(lambda f: {"message": {"content": "a"}, "finish_reason": f}, _FINISHES),
+    st.builds(lambda f: {"text": "a", "finish_reason": f}, _FINISHES),
+    st.just("not a choice"),
+)
+
+
+@settings(max_examples=300)
+@given(
+    choices=st.lists(_CHOICE, max_size=3),
+    kind=st.sampled_from([{"object": "chat.completion"}, {"object": "text_completion"}, {}]),
+    store_truncated=st.booleans(),
+)
+def test_a_whole_answer_not_kept_is_judged_as_its_body_says(
+    choices: list[Any], kind: dict[str, str], store_truncated: bool
+) -> None:
+    """judge_completion keeps what every choice's finish allows, and the
+    reason it gives for one it does not keep is body_unkept_reason's (the
+    cache asks that only when judge_completion gives none)."""
+    obj = {**kind, "model": "m", "choices": choices}
+    body = json.dumps(obj).encode()
+    entry, unkept = judge_completion(
+        body, now=NOW, store_truncated=store_truncated, max_bytes=1 << 20, parsed=obj
+    )
+    allowed = {"stop", "tool_calls", "length"} if store_truncated else {"stop", "tool_calls"}
+    finished = all(isinstance(c, dict) and c["finish_reason"] in allowed for c in choices)
+    assert (entry is not None) == (bool(choices) and finished)
+    if entry is not None:
+        assert unkept is None
+    elif unkept is not None or (kind and all(isinstance(c, dict) for c in choices)):
+        # A completion whose choices are all choices: judged once.
+        assert unkept == body_unkept_reason(
+            body, obj, max_bytes=1 << 20, store_truncated=store_truncated
+        )
