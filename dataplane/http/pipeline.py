@@ -192,6 +192,7 @@ class Exchange:
         "idle_timeout_shorter",
         "keyable",
         "limit_headers",
+        "limit_lines",
         "max_tokens_added",
         "model",
         "origin",
@@ -272,6 +273,9 @@ class Exchange:
         self._estimate: int = -1
         self.admission: Admission | None = None
         self.limit_headers: Sequence[tuple[str, str]] = ()
+        # limit_headers as header lines (Admission.lines) when they were
+        # made so: an admission's; None for a refusal's.
+        self.limit_lines: bytes | None = b""
         # cache, answer
         self.cache: CachePlan | None = None
         self.cache_request: CacheRequest | None = None
@@ -505,7 +509,7 @@ class Pipeline:
             # Refused before admission (a bad body, an unknown model): the
             # caller's limits go with it as they stand, as OpenAI's refusals
             # carry them; nothing was taken from them.
-            ex.limit_headers = self.standing_limits(ex.principal)
+            ex.limit_headers, ex.limit_lines = self.standing_limits(ex.principal), None
             raise
         if trace is None:
             await self.admit(ex)
@@ -704,10 +708,11 @@ class Pipeline:
             outcome = "admitted" if admission.ok else "refused"
             self.metrics.slot_wait(ex.principal.tenant, outcome)
         # An admission's own headers read, not asked for: a call each request.
-        ex.limit_headers = (
-            admission.headers if admission.ok else limiter.headers(scopes, now, admission)
-        )
-        if not admission.ok:
+        if admission.ok:
+            ex.limit_headers, ex.limit_lines = admission.headers, admission.lines
+        else:
+            ex.limit_headers = limiter.headers(scopes, now, admission)
+            ex.limit_lines = None
             limit = "tokens_over_limit" if admission.too_large else admission.limit or "requests"
             self.metrics.limit_refusal(ex.principal.tenant, limit)
             raise refusal(admission, *batch_of(ex))

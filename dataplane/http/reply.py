@@ -86,12 +86,15 @@ def _origin_headers(
     # Ours replace an origin's headers of the same name.
     for name, value in _ours(ex, origin, outcome, error):
         headers[name] = value
+    for name, value in ex.limit_headers:
+        headers[name] = value
     return headers
 
 
 def _ours(ex: Exchange, origin: OriginAnswer, outcome: str, error: bool) -> list[tuple[str, str]]:
-    """The headers the proxy sets on an answer of `origin`, in their order;
-    no two of the same name."""
+    """The headers the proxy sets on an answer of `origin`, in their order,
+    but the limits' (`ex.limit_headers`, which follow them); no two of the
+    same name."""
     ours: list[tuple[str, str]] = []
     if not error:  # an error answer names no origin (issue 15's allowlist)
         target = origin.target
@@ -102,7 +105,6 @@ def _ours(ex: Exchange, origin: OriginAnswer, outcome: str, error: bool) -> list
     if origin.hedged:
         ours.append(("x-ponto-hedged", "1"))
     ours += ex.response_headers(outcome)
-    ours += ex.limit_headers
     return ours
 
 
@@ -113,7 +115,12 @@ def origin_body(ex: Exchange, origin: OriginAnswer, outcome: str, body: bytes) -
     (`_lines`), but for a stream whose head went out (`ex.held`)."""
     if origin.status < 400:
         ours = _ours(ex, origin, outcome, False)
-        if ex.held is None and (lines := _lines(origin.headers, ours)) is not None:
+        limits = ex.limit_lines
+        lines = None
+        if ex.held is None and limits is not None:
+            lines = _lines(origin.headers, ours, limits)
+        ours += ex.limit_headers
+        if lines is not None:
             typed = hdrs.CONTENT_TYPE in origin.headers
             return WholeAnswer(origin.status, body, lines, typed, origin.headers, ours)
         headers = origin.headers
@@ -171,11 +178,12 @@ _OUR_NAMES: Final = frozenset(
 _OWN_IDS: Final = ("x-request-id", ORIGIN_REQUEST_ID_HEADER)
 
 
-def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | None:
-    """The lines of a WholeAnswer with `origin`'s headers and `ours`; None
-    when a web.Response must carry them: an origin's header of one of our
-    names (or a limit's), or a name or value that is not printable ASCII
-    (which aiohttp writes as UTF-8, or refuses)."""
+def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]], limits: bytes) -> bytes | None:
+    """The lines of a WholeAnswer with `origin`'s headers, `ours` and the
+    limits' lines (Admission.lines); None when a web.Response must carry
+    them: an origin's header of one of our names (or a limit's), or a name
+    or value that is not printable ASCII (which aiohttp writes as UTF-8, or
+    refuses)."""
     out: list[bytes] = []
     known = _ORIGIN_LINES
     for pair in origin.items():
@@ -204,6 +212,7 @@ def _lines(origin: CIMultiDict[str], ours: list[tuple[str, str]]) -> bytes | Non
                     known.clear()
                 known[pair] = line
         out.append(line)
+    out.append(limits)
     out.append(_SERVER_LINE)
     return b"".join(out)
 

@@ -41,7 +41,7 @@ OURS = [
 def whole(origin: list[tuple[str, str]], body: bytes = b"{}") -> WholeAnswer:
     """A WholeAnswer as reply.origin_body makes it, of an origin's `origin` headers."""
     headers = CIMultiDict(origin)
-    lines = reply._lines(headers, OURS)
+    lines = reply._lines(headers, OURS, b"")
     assert lines is not None
     return WholeAnswer(200, body, lines, hdrs.CONTENT_TYPE in headers, headers, list(OURS))
 

@@ -843,8 +843,8 @@ def test_an_admissions_headers_are_those_made_of_the_state_it_left(
     steps: list[tuple[Any, ...]], also: list[str]
 ) -> None:
     """Differential: the headers `admit` makes as it charges its scopes (what
-    headers() gives for the admission) are those headers() makes of the
-    limiter's state just after, with nothing kept; whatever tables, shares,
+    headers() gives for the admission, and its lines) are those headers()
+    makes of the limiter's state just after, with nothing kept; whatever tables, shares,
     admissions and time came before, and with scopes that have no limits
     among those asked for."""
     rl = stepped_limiter()
@@ -855,6 +855,10 @@ def test_an_admissions_headers_are_those_made_of_the_state_it_left(
             admission = rl.admit(scopes, step[1], now)
             afresh = headers_afresh(rl, scopes, now, None if admission.ok else admission)
             assert rl.headers(scopes, now, admission) == afresh
+            # Its lines (kept with its scopes' headers) are those headers'.
+            if admission.ok:
+                written = b"".join(f"{n}: {v}\r\n".encode() for n, v in admission.headers)
+                assert admission.lines == written
             if admission.ok and step[1] % 2:
                 admission.release(step[1], now)
         else:
