@@ -126,35 +126,43 @@ def test_drained_region_lets_in_flight_streams_finish(fleet: Fleet) -> None:
 # Last in the module: their fleet, started for them, is stopped with the module.
 def test_draining_a_region_stops_new_requests_there(asked: Fleet) -> None:
     asked.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=True))
-    asked.wait_proxies_at(asked.wait_table(lambda t: any(r.drained for r in t.regions)))
-    sim = f"http://{asked.origins['o-us-east'].address}/sim"
-    httpx.post(sim + "/reset")
-    regions = {served_by(asked, "p-trusting", CLIENTS["us-east"]) for _ in range(20)}
-    assert regions == {"eu-west"}
-    assert httpx.get(sim + "/stats").json()["requests"] == 0
-    asked.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=False))
-    asked.wait_proxies_at(asked.wait_table(lambda t: not any(r.drained for r in t.regions)))
+    # Put back however the test ends: the module's later tests share the fleet,
+    # and a region left drained would fail them for this test's failure.
+    try:
+        asked.wait_proxies_at(asked.wait_table(lambda t: any(r.drained for r in t.regions)))
+        sim = f"http://{asked.origins['o-us-east'].address}/sim"
+        httpx.post(sim + "/reset")
+        regions = {served_by(asked, "p-trusting", CLIENTS["us-east"]) for _ in range(20)}
+        assert regions == {"eu-west"}
+        assert httpx.get(sim + "/stats").json()["requests"] == 0
+    finally:
+        asked.admin().DrainRegion(apb.DrainRequest(name="us-east", drained=False))
+        asked.wait_proxies_at(asked.wait_table(lambda t: not any(r.drained for r in t.regions)))
     assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "us-east"
 
 
 def test_unhealthy_origin_is_routed_around_after_probes(asked: Fleet) -> None:
     sim = f"http://{asked.origins['o-us-east'].address}/sim"
     httpx.post(sim + "/config", json={"mode": "fail"})
-    version = asked.wait_table(
-        lambda t: any(o.name == "o-us-east" and not o.healthy for o in t.origins)
-    )
-    asked.wait_proxies_at(version)
-    httpx.post(sim + "/reset")
-    assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "eu-west"
-    r = httpx.post(
-        asked.proxy_url("p-trusting") + "/chat/completions",
-        json=BODY,
-        headers={"x-forwarded-for": CLIENTS["us-east"]},
-    )
-    assert r.headers["x-ponto-attempts"] == "1"  # not even tried: out of the table
-    assert httpx.get(sim + "/stats").json()["requests"] == 0
-    httpx.post(sim + "/config", json={"mode": "ok"})
-    asked.wait_proxies_at(asked.wait_table(lambda t: all(o.healthy for o in t.origins)), timeout=20)
+    try:  # healed however the test ends, as a drain is put back above
+        version = asked.wait_table(
+            lambda t: any(o.name == "o-us-east" and not o.healthy for o in t.origins)
+        )
+        asked.wait_proxies_at(version)
+        httpx.post(sim + "/reset")
+        assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "eu-west"
+        r = httpx.post(
+            asked.proxy_url("p-trusting") + "/chat/completions",
+            json=BODY,
+            headers={"x-forwarded-for": CLIENTS["us-east"]},
+        )
+        assert r.headers["x-ponto-attempts"] == "1"  # not even tried: out of the table
+        assert httpx.get(sim + "/stats").json()["requests"] == 0
+    finally:
+        httpx.post(sim + "/config", json={"mode": "ok"})
+        asked.wait_proxies_at(
+            asked.wait_table(lambda t: all(o.healthy for o in t.origins)), timeout=20
+        )
     assert served_by(asked, "p-trusting", CLIENTS["us-east"]) == "us-east"
 
 
