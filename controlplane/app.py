@@ -30,7 +30,7 @@ from controlplane.election import Leadership
 from controlplane.errors import Unavailable
 from controlplane.fleetid import FleetWatch
 from controlplane.health import Prober
-from controlplane.loadsync import LoadHub, LoadScraper
+from controlplane.loadsync import LoadHub, LoadScraper, stale_after
 from controlplane.metrics import ControlMetrics
 from controlplane.model import is_loopback
 from controlplane.quotasync import QuotaHub, Rebalancer
@@ -142,7 +142,7 @@ class ControlPlane:
         self.quotas = QuotaHub(
             store, settings.replica_id, self.registry.lease, settings.quota_interval
         )
-        self.loads = LoadHub(store)
+        self.loads = LoadHub(store, max_age=stale_after(settings.probe))
         self.routing = RoutingService(
             self.registry,
             self.publisher,
@@ -215,7 +215,7 @@ class ControlPlane:
             writes_off=_writes_off(settings),
             audit=self.audit,
             metrics=self.metrics,
-            loads=lambda: self.loads.loads,
+            loads=self.loads.fresh,
             suspensions=lambda: self.builder.suspensions,
             fleet_problem=self.fleet.problem,
             proxies_seen=self.fleet.seen,
@@ -287,7 +287,7 @@ class ControlPlane:
                 self.publisher,
                 self.audit,
                 token_required=bool(self.settings.security.admin_token),
-                loads=lambda: self.loads.loads,
+                loads=self.loads.fresh,
             ),
             self.server,
         )

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -47,8 +48,30 @@ log = logging.getLogger(__name__)
 
 LOAD_KEY = "/ponto/load"
 
-# url -> the page's text, or None when it cannot be had in time.
-Fetch = Callable[[str], Awaitable[str | None]]
+# A failing scrape's first round is logged per origin at most this often: a
+# flapping origin cannot flood the log (nor can a fleet of them: one line a round).
+UNREAD_LOG_QUIET = 60.0
+# The most origins one such line names.
+UNREAD_LOG_NAMES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Unread:
+    """A metrics page not had: why (`HTTP 500`, `timed out`, ...)."""
+
+    reason: str
+
+
+# url -> the page's text, or why it cannot be had in time.
+Fetch = Callable[[str], Awaitable[str | Unread]]
+
+
+def stale_after(settings: ProbeSettings) -> float:
+    """The age of the load key's figures (now - scraped_at) beyond which no
+    leader is scraping: a working leader writes at least every refresh,
+    each round starting an interval after the last and lasting at most the
+    timeout (see Freshness above)."""
+    return settings.load_refresh + settings.load_interval + settings.timeout
 
 
 def targets(table: pb.RouteTable) -> list[tuple[str, str]]:
@@ -98,6 +121,12 @@ class LoadScraper:
         self._read_at: dict[str, float] = {}
         # The origins scraped in the latest round (healthy, undrained).
         self._wanted: frozenset[str] = frozenset()
+        # Origins read this term whose scrape fails now (origin -> why), those
+        # of them whose failure was logged, and when each failure was last
+        # logged (UNREAD_LOG_QUIET).
+        self._unread: dict[str, str] = {}
+        self._logged: set[str] = set()
+        self._logged_at: dict[str, float] = {}
         self.rounds = 0
         self.writes = 0
 
@@ -115,6 +144,7 @@ class LoadScraper:
             return
         # A new term starts afresh: another leader may have written since.
         self._previous, self._written, self._read_at = {}, None, {}
+        self._unread, self._logged = {}, set()
         # A scrape slower than the interval is too late to be of use, and
         # must not hold up the next round.
         timeout = aiohttp.ClientTimeout(
@@ -156,16 +186,38 @@ class LoadScraper:
         names = frozenset(name for name, _ in wanted)
         for gone in set(self._previous) - names:
             del self._previous[gone]
+        for gone in set(self._unread) - names:
+            del self._unread[gone]
+            self._logged.discard(gone)
         loads: dict[str, Figures] = {}
+        stopped: list[str] = []
+        recovered: list[str] = []
         for (name, _), page in zip(wanted, pages, strict=True):
-            if page is None:
+            sample = parse_page(page) if isinstance(page, str) else None
+            if sample is None or not sample.has_requests:
+                why = "no request gauges on the page" if sample is not None else _reason(page)
+                if name in self._read_at and name not in self._unread:
+                    self._unread[name] = why
+                    if scraped_at - self._logged_at.get(name, -UNREAD_LOG_QUIET) >= (
+                        UNREAD_LOG_QUIET
+                    ):
+                        self._logged_at[name] = scraped_at
+                        self._logged.add(name)
+                        stopped.append(f"{name} ({why})")
                 continue
-            sample = parse_page(page)
-            if not sample.has_requests:
-                continue
+            if self._unread.pop(name, None) is not None and name in self._logged:
+                self._logged.discard(name)
+                recovered.append(name)
             loads[name] = figures(sample, self._previous.get(name))
             self._previous[name] = sample
             self._read_at[name] = scraped_at
+        if stopped:
+            log.warning(
+                "origin load metrics no longer read, routing by the proxies' own counts: %s",
+                _some(stopped),
+            )
+        if recovered:
+            log.info("origin load metrics read again: %s", _some(recovered))
         self._wanted = names
         self.rounds += 1
         if loads == self._written and scraped_at - self._written_at < self._settings.load_refresh:
@@ -176,15 +228,28 @@ class LoadScraper:
         self.writes += 1
 
 
-async def _fetch(session: aiohttp.ClientSession, url: str) -> str | None:
-    """The page at url, or None when it cannot be had (in time)."""
+def _reason(page: str | Unread) -> str:
+    return page.reason if isinstance(page, Unread) else "unparsable"
+
+
+def _some(items: list[str]) -> str:
+    """The first UNREAD_LOG_NAMES items, and how many more."""
+    shown = ", ".join(items[:UNREAD_LOG_NAMES])
+    more = len(items) - UNREAD_LOG_NAMES
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+async def _fetch(session: aiohttp.ClientSession, url: str) -> str | Unread:
+    """The page at url, or why it cannot be had (in time)."""
     try:
         async with session.get(url) as resp:
             if resp.status != 200:
-                return None
+                return Unread(f"HTTP {resp.status}")
             return (await resp.read()).decode("utf-8", "replace")
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+    except TimeoutError:
+        return Unread("timed out")
+    except aiohttp.ClientError as exc:
+        return Unread(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
 class LoadHub:
@@ -195,12 +260,32 @@ class LoadHub:
     and shared; a stream that was busy sends only the newest.
     """
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        max_age: float = float("inf"),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`max_age` (stale_after) bounds the age of the figures `fresh` gives,
+        by `clock` (wall time, as the leader's scraped_at)."""
         self._store = store
+        self._max_age = max_age
+        self._clock = clock
         self.generation = 0
         self.payload = b""
         self.loads: pb.OriginLoads | None = None
         self._changed = asyncio.Event()
+
+    def fresh(self) -> pb.OriginLoads | None:
+        """The latest loads if a leader is still scraping, else None (as
+        before any scrape): what pontoctl and the status page show. Figures
+        frozen since the leader went away would pass for live. (Streams get
+        `loads` whatever their age: proxies judge it themselves.)"""
+        loads = self.loads
+        if loads is None or self._clock() - loads.scraped_at > self._max_age:
+            return None
+        return loads
 
     async def watch(self) -> None:
         """Follow the load key; wake the streams on every change."""

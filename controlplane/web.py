@@ -251,7 +251,7 @@ class StatusWeb:
         self._writes_off = writes_off
         self._audit = audit
         self._metrics = metrics
-        self._loads = loads  # the leader's latest scrape of vLLM gauges (LoadHub)
+        self._loads = loads  # the leader's latest load scrape, while fresh (LoadHub.fresh)
         self._suspensions = suspensions
         self._fleet_problem = fleet_problem
         self._proxies_seen = proxies_seen

@@ -290,8 +290,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
     ) -> None:
         """`clock` paces the log lines of refused calls (`refused`); `loads`
-        gives the leader's latest scrape of the origins' load (LoadHub), which
-        ListOrigins reports in flight where it has an origin's."""
+        gives the leader's latest scrape of the origins' load while fresh
+        (LoadHub.fresh: None once no leader scrapes), which ListOrigins
+        reports in flight where it has an origin's."""
         self._catalog = catalog
         self._publisher = publisher
         self.audit = audit

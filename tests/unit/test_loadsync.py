@@ -18,7 +18,15 @@ from controlplane.compile import compile_table
 from controlplane.distribute import Publisher
 from controlplane.health import ProbeSettings
 from controlplane.load import UNKNOWN, Figures, encode_loads
-from controlplane.loadsync import LOAD_KEY, LoadHub, LoadScraper, targets
+from controlplane.loadsync import (
+    LOAD_KEY,
+    UNREAD_LOG_QUIET,
+    LoadHub,
+    LoadScraper,
+    Unread,
+    stale_after,
+    targets,
+)
 from controlplane.metrics import ControlMetrics
 from controlplane.model import Origin, OriginHealth, Region, State
 from controlplane.settings import parse
@@ -67,9 +75,10 @@ class Pages:
         self.by_origin: dict[str, str | None] = {}
         self.asked: list[str] = []
 
-    async def __call__(self, url: str) -> str | None:
+    async def __call__(self, url: str) -> str | Unread:
         self.asked.append(url)
-        return self.by_origin.get(url.split("//")[1].split(".", maxsplit=1)[0])
+        page = self.by_origin.get(url.split("//")[1].split(".", maxsplit=1)[0])
+        return Unread("HTTP 500") if page is None else page
 
 
 class Clock:
@@ -274,6 +283,66 @@ async def test_run_without_a_metrics_path_scrapes_nothing() -> None:
     assert scraper.rounds == 0
 
 
+async def test_a_scrape_that_stops_working_is_logged_once_per_transition(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One WARNING (with the reason) when an origin read this term stops
+    being read, one INFO when it is read again; none per failing round, none
+    for an origin never read, and a flapping origin's next failure only after
+    UNREAD_LOG_QUIET (its recovery then unlogged too)."""
+    leader = Leader()
+    await leader.lead()
+
+    def lines() -> list[tuple[int, str]]:
+        got = [(r.levelno, r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        return got
+
+    with caplog.at_level(logging.INFO, logger="controlplane.loadsync"):
+        leader.pages.by_origin = {"a": page(1), "b": None}  # b never read: no line
+        await leader.scraper.round(leader.pages)
+        assert lines() == []
+        leader.pages.by_origin = {"a": None, "b": None}
+        for _ in range(3):  # failing for longer than the quiet period: one line
+            await leader.scraper.round(leader.pages)
+            leader.clock.now += UNREAD_LOG_QUIET
+        assert lines() == [
+            (
+                logging.WARNING,
+                "origin load metrics no longer read, routing by the proxies' own counts: "
+                "a (HTTP 500)",
+            )
+        ]
+        leader.pages.by_origin = {"a": page(1), "b": None}
+        await leader.scraper.round(leader.pages)
+        await leader.scraper.round(leader.pages)
+        assert lines() == [(logging.INFO, "origin load metrics read again: a")]
+        gauges_gone: dict[str, str | None] = {"a": "process_open_fds 3\n"}
+        read_again: dict[str, str | None] = {"a": page(1)}
+        leader.pages.by_origin = gauges_gone
+        await leader.scraper.round(leader.pages)
+        leader.pages.by_origin = {"a": page(1)}
+        await leader.scraper.round(leader.pages)
+        assert lines() == [
+            (
+                logging.WARNING,
+                "origin load metrics no longer read, routing by the proxies' own counts: "
+                "a (no request gauges on the page)",
+            ),
+            (logging.INFO, "origin load metrics read again: a"),
+        ]
+        # Flapping within the quiet period: neither line.
+        leader.clock.now += UNREAD_LOG_QUIET - 1
+        for pages in (gauges_gone, read_again, gauges_gone, read_again):
+            leader.pages.by_origin = pages
+            await leader.scraper.round(leader.pages)
+        assert lines() == []
+        leader.clock.now += 1
+        leader.pages.by_origin = gauges_gone
+        await leader.scraper.round(leader.pages)
+        assert [level for level, _ in lines()] == [logging.WARNING]
+
+
 # ---------------------------------------------------------------- LoadHub
 
 
@@ -385,3 +454,23 @@ async def test_loads_written_while_the_first_read_failed_are_read(
         store.serving.set()  # a watch made now would start after the write
         generation, _ = await asyncio.wait_for(hub.next_after(0), WAIT)
     assert generation == written
+
+
+async def test_hub_gives_no_fresh_loads_once_no_leader_writes_them() -> None:
+    """pontoctl and the status page show no figures rather than figures
+    frozen since the leader stopped scraping."""
+    settings = ProbeSettings(timeout=1.0, load_interval=0.5, load_refresh=2.0)
+    assert stale_after(settings) == 3.5
+    clock = Clock()
+    store = MemoryStore()
+    hub = LoadHub(store, max_age=stale_after(settings), clock=clock)
+    assert hub.fresh() is None
+    await store.put(LOAD_KEY, encode_loads({"a": Figures(3, 1, 0.5, UNKNOWN)}, clock.now))
+    async with running(hub.watch()):
+        await asyncio.wait_for(hub.next_after(0), WAIT)
+    clock.now += 3.5
+    fresh = hub.fresh()
+    assert fresh is not None and fresh.loads[0].running == 3.0
+    clock.now += 0.01
+    assert hub.fresh() is None
+    assert hub.loads is not None  # streams still get them: proxies judge the age
