@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 import aiohttp
 
@@ -66,12 +67,20 @@ class Unread:
 Fetch = Callable[[str], Awaitable[str | Unread]]
 
 
+# Replicas' clocks differ by milliseconds under NTP; a second covers a
+# worse-kept one and an etcd write under load without showing live figures
+# as gone.
+CLOCK_SLACK: Final = 1.0
+
+
 def stale_after(settings: ProbeSettings) -> float:
     """The age of the load key's figures (now - scraped_at) beyond which no
     leader is scraping: a working leader writes at least every refresh,
     each round starting an interval after the last and lasting at most the
-    timeout (see Freshness above)."""
-    return settings.load_refresh + settings.load_interval + settings.timeout
+    timeout (see Freshness above), and CLOCK_SLACK more: `scraped_at` is the
+    leader's wall clock, the age is read on the replica serving the request,
+    and the write reaches it through etcd."""
+    return settings.load_refresh + settings.load_interval + settings.timeout + CLOCK_SLACK
 
 
 def targets(table: pb.RouteTable) -> list[tuple[str, str]]:
