@@ -212,7 +212,9 @@ def finish_refusal(finish_reasons: Iterable[Any], *, store_truncated: bool) -> s
             # The usual refusal, an answer cut by its max_tokens: its words
             # made once (the f-string's repr costs more than the rest).
             return _CUT_BY_LENGTH
-        if reason not in NATURAL_FINISH:
+        # Not a string (an origin's list or object), no finish of ours: and
+        # not hashable, it would raise out of the set's test.
+        if reason.__class__ is not str or reason not in NATURAL_FINISH:
             return f"finish_reason {reason!r}"
     return None if seen else "no choices"
 
@@ -267,7 +269,9 @@ def judge_completion(
             if not isinstance(choice, dict):
                 return None, None
             reason = choice.get("finish_reason")
-            if unkept is None and reason not in NATURAL_FINISH:
+            # A reason not a string (a list, an object) is none of ours, and
+            # the set's test of one unhashable would raise (a 500).
+            if unkept is None and (reason.__class__ is not str or reason not in NATURAL_FINISH):
                 if reason != "length":
                     unkept = INCOMPLETE  # none, or not natural
                 elif not store_truncated:

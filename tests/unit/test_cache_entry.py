@@ -1193,3 +1193,26 @@ def test_a_whole_answer_not_kept_is_judged_as_its_body_says(
         assert unkept == body_unkept_reason(
             body, obj, max_bytes=1 << 20, store_truncated=store_truncated
         )
+
+
+@pytest.mark.parametrize("finish", [[], {"type": "stop"}, ["stop"], 1, True])
+def test_a_finish_reason_that_is_no_string_is_not_kept_and_raises_nothing(finish: Any) -> None:
+    """An origin's finish_reason that is no string (a list or an object: not
+    hashable) is no natural finish: its answer, whole or streamed, is not kept
+    and judged incomplete, with nothing raised (before, a list or an object
+    raised a TypeError out of the set's test: a 500 for a whole answer, a
+    traceback at a stream's end)."""
+    body = chat_body()
+    body["choices"][0]["finish_reason"] = finish
+    raw = json.dumps(body).encode()
+    for store_truncated in (False, True):
+        assert judge_completion(
+            raw, now=NOW, store_truncated=store_truncated, max_bytes=1 << 20
+        ) == (None, "incomplete")
+        assert (
+            body_unkept_reason(raw, body, max_bytes=1 << 20, store_truncated=store_truncated)
+            == "incomplete"
+        )
+        stream = chat_stream(["a"])
+        stream[-2]["choices"][0]["finish_reason"] = finish
+        assert record(sse(stream), store_truncated=store_truncated) is None
