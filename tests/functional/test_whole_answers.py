@@ -23,9 +23,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from dataplane.http.state import METRICS, PIPELINE
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from tests.functional.edgestack import serve_on_edge
-from tests.functional.test_pipeline import KEY, MODEL
+from tests.functional.test_pipeline import KEY, LIMITED_KEY, MODEL, table
 
 # Past the socket buffers (on loopback the kernel's send buffer grows to 4 MB,
 # tcp_wmem): the proxy's write must wait for the client to read.
@@ -236,3 +236,48 @@ async def test_bookkeeping_that_fails_after_the_answer_is_counted_as_what_the_cl
     assert counted == {"200": 3.0, "500": None}
     bugs = [r for r in caplog.records if "after its answer began" in r.getMessage()]
     assert len(bugs) == 1 and bugs[0].exc_info is not None
+
+
+async def test_an_admitted_whole_answer_on_the_edge_carries_its_limit_headers(
+    tmp_path: Path,
+) -> None:
+    """A whole answer written as header lines (WholeAnswer) carries the
+    admission's x-ratelimit-* lines (Admission.lines), once each, with the
+    values of each admission; review 396: a pipeline passing no lines left
+    every such answer without them, and no test failed (the stacks on
+    aiohttp's own server write the pairs, not the lines)."""
+    oapp = web.Application()
+    oapp.router.add_post("/v1/chat/completions", Origin().handle)
+    server = TestServer(oapp)
+    await server.start_server()
+    url = str(server.make_url("/v1"))
+    served = await serve_on_edge(tmp_path, url)
+    try:
+        # The second table brings LIMITED_KEY, limited to 2 requests a minute.
+        served.app[HOLDER].apply(table([("o1", url)], version=2), "control-plane")
+        edge = Edge(served.port, served.app)
+        for i, remaining in enumerate(("1", "0")):
+            body = json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}]}
+            ).encode()
+            reader, writer = await edge.connect()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"
+                b"Authorization: Bearer " + LIMITED_KEY.key.encode() + b"\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 200 ")
+            limits = [line for line in head.split(b"\r\n") if line.startswith(b"x-ratelimit-")]
+            assert [line.partition(b": ")[0] for line in limits] == [
+                b"x-ratelimit-limit-requests",
+                b"x-ratelimit-remaining-requests",
+                b"x-ratelimit-reset-requests",
+            ]
+            assert limits[0] == b"x-ratelimit-limit-requests: 2"
+            assert limits[1] == b"x-ratelimit-remaining-requests: " + remaining.encode()
+    finally:
+        await served.runner.cleanup()
+        await server.close()
