@@ -132,7 +132,9 @@ class LoadScraper:
         self._wanted: frozenset[str] = frozenset()
         # Origins read this term whose scrape fails now (origin -> why), those
         # of them whose failure was logged, and when each failure was last
-        # logged (UNREAD_LOG_QUIET).
+        # logged (UNREAD_LOG_QUIET). Kept while the origin is in the table,
+        # scraped or not: one that turns unhealthy or is drained after its
+        # warning still gets its line when read again.
         self._unread: dict[str, str] = {}
         self._logged: set[str] = set()
         self._logged_at: dict[str, float] = {}
@@ -195,9 +197,13 @@ class LoadScraper:
         names = frozenset(name for name, _ in wanted)
         for gone in set(self._previous) - names:
             del self._previous[gone]
-        for gone in set(self._unread) - names:
+        known = {o.name for o in latest.table.origins}
+        for gone in set(self._unread) - known:
             del self._unread[gone]
             self._logged.discard(gone)
+        for gone in (set(self._logged_at) | set(self._read_at)) - known:
+            self._logged_at.pop(gone, None)
+            self._read_at.pop(gone, None)
         loads: dict[str, Figures] = {}
         stopped: list[str] = []
         recovered: list[str] = []
@@ -205,10 +211,15 @@ class LoadScraper:
             sample = parse_page(page) if isinstance(page, str) else None
             if sample is None or not sample.has_requests:
                 why = "no request gauges on the page" if sample is not None else _reason(page)
-                if name in self._read_at and name not in self._unread:
+                if name in self._read_at:
                     self._unread[name] = why
-                    if scraped_at - self._logged_at.get(name, -UNREAD_LOG_QUIET) >= (
-                        UNREAD_LOG_QUIET
+                    # A failure held back by the quiet period is logged once
+                    # it is over if the page still fails: the last line about
+                    # an origin must not be "read again" while it is not.
+                    if (
+                        name not in self._logged
+                        and scraped_at - self._logged_at.get(name, -UNREAD_LOG_QUIET)
+                        >= UNREAD_LOG_QUIET
                     ):
                         self._logged_at[name] = scraped_at
                         self._logged.add(name)

@@ -343,6 +343,43 @@ async def test_a_scrape_that_stops_working_is_logged_once_per_transition(
         assert [level for level, _ in lines()] == [logging.WARNING]
 
 
+async def test_a_failure_held_back_or_left_unscraped_is_still_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review 398: a page that fails again within the quiet period and keeps
+    failing is logged once the period is over (the last line said "read
+    again"); an origin warned of, then unhealthy, then read again gets its
+    INFO; an origin removed from the table is forgotten."""
+    leader = Leader()
+    await leader.lead()
+    scraper = leader.scraper
+
+    def levels() -> list[int]:
+        got = [r.levelno for r in caplog.records]
+        caplog.clear()
+        return got
+
+    with caplog.at_level(logging.INFO, logger="controlplane.loadsync"):
+        read: dict[str, str | None] = {"a": page(1)}
+        failing: dict[str, str | None] = {"a": None}
+        for pages in (read, failing, read, failing):
+            leader.pages.by_origin = pages
+            await scraper.round(leader.pages)
+        assert levels() == [logging.WARNING, logging.INFO]  # the second failure held back
+        leader.clock.now += UNREAD_LOG_QUIET
+        await scraper.round(leader.pages)
+        assert levels() == [logging.WARNING]
+        leader.publisher.publish(table(unhealthy=("a", "c")))
+        await scraper.round(leader.pages)
+        leader.publisher.publish(table())
+        leader.pages.by_origin = read
+        await scraper.round(leader.pages)
+        assert levels() == [logging.INFO]
+        leader.publisher.publish(compile_table(State(8)))  # every origin removed
+        await scraper.round(leader.pages)
+    assert (scraper._unread, scraper._logged_at, scraper._read_at) == ({}, {}, {})
+
+
 # ---------------------------------------------------------------- LoadHub
 
 
