@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 import pytest
 from aiohttp import web
@@ -27,8 +29,9 @@ from controlplane.distribute import Publisher
 from controlplane.ejections import STALE_S
 from controlplane.errors import Unavailable
 from controlplane.fleetid import FleetWatch
+from controlplane.loadsync import stale_after
 from controlplane.metrics import ControlMetrics
-from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, Tenant
+from controlplane.model import Limits, Origin, OriginHealth, ProxyRecord, Region, State, Tenant
 from controlplane.registry import TRAFFIC_EVERY
 from controlplane.settings import parse
 from controlplane.store import Listing, StoreUnavailable
@@ -45,6 +48,8 @@ from controlplane.web import (
     departed_rows,
 )
 from ponto.pki import make_bundle
+from ponto.v1 import admin_pb2 as apb
+from ponto.v1 import admin_pb2_grpc
 from ponto.v1 import routing_pb2 as pb
 
 TOKEN = "s3cret-admin-token"
@@ -944,6 +949,55 @@ async def test_a_plane_under_mutual_tls_shows_its_writes_off(tmp_path: Path) -> 
     plane = ControlPlane(parse([*argv, "--http-writes", "on"]), MemoryStore())
     status = await plane.web.status(0.0)
     assert (status["writes"], status["writes_off"]) == ("token", "")
+
+
+async def test_a_planes_page_shows_load_figures_only_while_a_leader_scrapes() -> None:
+    """The plane gives its page the hub's fresh loads (LoadHub.fresh): figures
+    frozen since the leader stopped scraping read as none, not as live."""
+    plane = ControlPlane(parse(["--listen", "127.0.0.1:0", "--id", "r1"]), MemoryStore())
+    origin = Origin("a", "http://a.test:8000/v1", "east", ("m",))
+    plane.publisher.publish(
+        compile_table(State(1, regions=(Region("east", 40.0, -74.0),), origins=(origin,)))
+    )
+
+    async def running(scraped_at: float) -> Any:
+        plane.loads.loads = pb.OriginLoads(
+            scraped_at=scraped_at, loads=[pb.OriginLoad(origin="a", running=3.0)]
+        )
+        status = await plane.web.status(time.time())
+        return status["regions"][0]["origins"][0]["running"]
+
+    assert await running(time.time()) == 3.0
+    assert await running(time.time() - stale_after(plane.settings.probe) - 1) is None
+
+
+async def test_a_planes_list_origins_gives_load_figures_only_while_a_leader_scrapes() -> None:
+    """pontoctl get origins agrees with the page (LoadHub.fresh)."""
+    store = MemoryStore()
+    catalog = Catalog(store)
+    await catalog.put_region(Region("east", 40.0, -74.0), allow_update=False)
+    await catalog.put_origin(
+        Origin("a", "http://a.test:8000/v1", "east", ("m",), capacity=8), allow_update=False
+    )
+    plane = ControlPlane(parse(["--listen", "127.0.0.1:0", "--id", "r1"]), store)
+    await plane.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}")
+    try:
+        stub = admin_pb2_grpc.AdminStub(channel)
+
+        async def inflight(scraped_at: float) -> tuple[float, bool]:
+            plane.loads.loads = pb.OriginLoads(
+                scraped_at=scraped_at, loads=[pb.OriginLoad(origin="a", running=3.0)]
+            )
+            (origin,) = (await stub.ListOrigins(apb.ListRequest())).origins
+            return origin.inflight, origin.inflight_unknown
+
+        assert await inflight(time.time()) == (3.0, False)
+        stale = time.time() - stale_after(plane.settings.probe) - 1
+        assert await inflight(stale) == (0.0, True)  # as before any scrape
+    finally:
+        await channel.close()
+        await plane.stop(grace=0)
 
 
 # ---------------------------------------------------------------- correctness
