@@ -265,8 +265,16 @@ def judge_completion(
         # calls cost some 2,300 instructions an answer.
         choices = obj["choices"]
         unkept = None if choices else INCOMPLETE  # no choices
+        said = "message" if kind is _CHAT else "text"
         for choice in choices:
             if not isinstance(choice, dict):
+                return None, None
+            # A choice whose finish_reason is a string is passed on without a
+            # message object (chat) or text string (completions), as why it
+            # has none (forwarder._missing_answer); one replayed from the
+            # cache instead of asked again would give every client an origin's
+            # broken answer ("message": 5, "text": ["x"]) for the cache's TTL.
+            if choice.get(said).__class__ is not (dict if kind is _CHAT else str):
                 return None, None
             reason = choice.get("finish_reason")
             # A reason not a string (a list, an object) is none of ours, and
