@@ -316,15 +316,10 @@ class Ticks:
         return self.now
 
 
-async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_soon(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A replica killed, lost or stopped past its grace cuts a session under
-    way: the control plane was reached, so a plaintext proxy is not told to
-    give TLS flags, and a session that brought a table (and lasted the
-    longest backoff) comes back after the short spread (0 to 5
-    backoff-minimums), not the failures' backoff."""
-    caplog.set_level(logging.INFO, logger="dataplane.sync.link")
+async def waits_against_a_cutting_replica(count: int, **options: Any) -> list[float]:
+    """The first `count` waits of a link to a replica that cuts each session
+    just after its table (CutRouting), the link made with `options` (backoff,
+    clock, credentials) and jitter at the middle of its range."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((CutRouting([]).handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -340,27 +335,43 @@ async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_so
         [f"127.0.0.1:{port}"],
         pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
         backoff_min=1.0,
-        backoff_max=1.0,
         sleep=sleep,
         rng=Middle(),
-        monotonic=Ticks(),
+        **options,
     )
     task = asyncio.create_task(link.run())
     try:
         async with asyncio.timeout(WAIT):
-            while len(waits) < 2:
+            while len(waits) < count:
                 await asyncio.sleep(0.01)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await server.stop(0)
-    assert waits[:2] == [2.5, 2.5]
+    return waits[:count]
+
+
+async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_soon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica killed, lost or stopped past its grace cuts a session under
+    way: the control plane was reached, so a plaintext proxy is not told to
+    give TLS flags, and a session that brought a table (and lasted the
+    longest backoff) comes back after the short spread (0 to 5
+    backoff-minimums), not the failures' backoff."""
+    caplog.set_level(logging.INFO, logger="dataplane.sync.link")
+    assert await waits_against_a_cutting_replica(2, backoff_max=1.0, monotonic=Ticks()) == [
+        2.5,
+        2.5,
+    ]
     said = [r for r in caplog.records if "Cancelling all calls" in r.getMessage()]
     assert said[0].levelno == logging.WARNING
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert said[0].getMessage() == (
-        f"control plane at 127.0.0.1:{port} cut the session under way (Cancelling all calls): "
+    message = said[0].getMessage()
+    assert message.startswith("control plane at 127.0.0.1:")
+    assert message.endswith(
+        " cut the session under way (Cancelling all calls): "
         "its replica stopped or was lost [UNAVAILABLE]; retrying"
     )
 
@@ -381,75 +392,19 @@ async def test_a_session_failing_before_its_register_is_not_the_last_ones_table(
     """A session that brought a table, then sessions refused before their
     Register (a TLS file removed): those are failures, retried over the
     growing backoff, not at the short spread of the session before them."""
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    waits: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        waits.append(seconds)
-        await asyncio.sleep(0)
-
-    link = ControlPlaneClient(
-        TableHolder("east", None),
-        [f"127.0.0.1:{port}"],
-        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
-        backoff_min=1.0,
-        backoff_max=8.0,
-        sleep=sleep,
-        rng=Middle(),
-        credentials=FilesGone(),
-        monotonic=Ticks(),
+    waits = await waits_against_a_cutting_replica(
+        3, backoff_max=8.0, credentials=FilesGone(), monotonic=Ticks()
     )
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(WAIT):
-            while len(waits) < 3:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await server.stop(0)
     # The cut session's spread (0 to 5 minimums), then full jitter over a
     # backoff doubling from the minimum: (1 + 2) / 2, then (1 + 4) / 2.
-    assert waits[:3] == [2.5, 1.5, 2.5]
+    assert waits == [2.5, 1.5, 2.5]
 
 
 async def test_sessions_cut_just_after_their_table_back_off() -> None:
     """A replica that cuts every stream just after its table (crash-looping,
     a bug of the stream's) is a failing one: its proxies back off as from
     any failure, not back within the short spread each time."""
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    waits: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        waits.append(seconds)
-        await asyncio.sleep(0)
-
-    link = ControlPlaneClient(
-        TableHolder("east", None),
-        [f"127.0.0.1:{port}"],
-        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
-        backoff_min=1.0,
-        backoff_max=8.0,
-        sleep=sleep,
-        rng=Middle(),
-        monotonic=lambda: 0.0,  # each session ends as it starts
-    )
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(WAIT):
-            while len(waits) < 5:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await server.stop(0)
+    # Each session ends as it starts (a clock that stands still).
+    waits = await waits_against_a_cutting_replica(5, backoff_max=8.0, monotonic=lambda: 0.0)
     # Full jitter over a backoff doubling from the minimum to the maximum.
-    assert waits[:5] == [1.0, 1.5, 2.5, 4.5, 4.5]
+    assert waits == [1.0, 1.5, 2.5, 4.5, 4.5]
