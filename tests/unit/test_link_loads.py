@@ -250,39 +250,13 @@ async def test_a_replica_stopping_is_said_at_info_without_tls_advice(
     without the advice for a control plane it could not reach (trial 93: a
     WARNING telling a plaintext fleet to give TLS flags, on every restart)."""
     caplog.set_level(logging.DEBUG, logger="dataplane.sync.link")
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((StoppingRouting([]).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    waits: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        waits.append(seconds)
-        await asyncio.sleep(0)
-
-    link = ControlPlaneClient(
-        TableHolder("east", None),
-        [f"127.0.0.1:{port}"],
-        pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
-        sleep=sleep,
-    )
-    task = asyncio.create_task(link.run())
-    try:
-        async with asyncio.timeout(WAIT):
-            while len(waits) < 2:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await server.stop(0)
+    await waits_against(StoppingRouting([]), 2)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     said = [r for r in caplog.records if "shutting down" in r.getMessage()]
     assert said[0].levelno == logging.INFO
-    assert said[0].getMessage() == (
-        f"control plane at 127.0.0.1:{port}: control plane cp-2 is shutting down; "
-        "connecting to it again"
-    )
+    message = said[0].getMessage()
+    assert message.startswith("control plane at 127.0.0.1:")
+    assert message.endswith(": control plane cp-2 is shutting down; connecting to it again")
 
 
 class CutRouting(ScriptedRouting):
@@ -316,12 +290,12 @@ class Ticks:
         return self.now
 
 
-async def waits_against_a_cutting_replica(count: int, **options: Any) -> list[float]:
-    """The first `count` waits of a link to a replica that cuts each session
-    just after its table (CutRouting), the link made with `options` (backoff,
-    clock, credentials) and jitter at the middle of its range."""
+async def waits_against(routing: ScriptedRouting, count: int, **options: Any) -> list[float]:
+    """The first `count` waits of a link to a replica serving `routing`, the
+    link made with `options` (backoff, clock, credentials) and jitter at the
+    middle of its range."""
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((CutRouting([]).handler(),))
+    server.add_generic_rpc_handlers((routing.handler(),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     waits: list[float] = []
@@ -361,7 +335,7 @@ async def test_a_session_cut_after_its_table_is_no_tls_mistake_and_comes_back_so
     longest backoff) comes back after the short spread (0 to 5
     backoff-minimums), not the failures' backoff."""
     caplog.set_level(logging.INFO, logger="dataplane.sync.link")
-    assert await waits_against_a_cutting_replica(2, backoff_max=1.0, monotonic=Ticks()) == [
+    assert await waits_against(CutRouting([]), 2, backoff_max=1.0, monotonic=Ticks()) == [
         2.5,
         2.5,
     ]
@@ -392,8 +366,8 @@ async def test_a_session_failing_before_its_register_is_not_the_last_ones_table(
     """A session that brought a table, then sessions refused before their
     Register (a TLS file removed): those are failures, retried over the
     growing backoff, not at the short spread of the session before them."""
-    waits = await waits_against_a_cutting_replica(
-        3, backoff_max=8.0, credentials=FilesGone(), monotonic=Ticks()
+    waits = await waits_against(
+        CutRouting([]), 3, backoff_max=8.0, credentials=FilesGone(), monotonic=Ticks()
     )
     # The cut session's spread (0 to 5 minimums), then full jitter over a
     # backoff doubling from the minimum: (1 + 2) / 2, then (1 + 4) / 2.
@@ -405,6 +379,6 @@ async def test_sessions_cut_just_after_their_table_back_off() -> None:
     a bug of the stream's) is a failing one: its proxies back off as from
     any failure, not back within the short spread each time."""
     # Each session ends as it starts (a clock that stands still).
-    waits = await waits_against_a_cutting_replica(5, backoff_max=8.0, monotonic=lambda: 0.0)
+    waits = await waits_against(CutRouting([]), 5, backoff_max=8.0, monotonic=lambda: 0.0)
     # Full jitter over a backoff doubling from the minimum to the maximum.
     assert waits == [1.0, 1.5, 2.5, 4.5, 4.5]
