@@ -972,9 +972,9 @@ def test_a_chunk_kept_unparsed_is_kept_as_parsed(first: bytes, second: bytes) ->
     assert _recorded(payloads, unparsed=True) == _recorded(payloads, unparsed=False)
 
 
-def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _counting_parses(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The payloads jsonio.loads is given from now on (the module entry reads
+    it from jsonio), in order."""
     parsed: list[bytes] = []
     real = jsonio.loads
 
@@ -982,7 +982,14 @@ def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
         parsed.append(data if isinstance(data, bytes) else data.encode())
         return real(data)
 
-    monkeypatch.setattr(jsonio, "loads", loads)  # the module entry reads it from
+    monkeypatch.setattr(jsonio, "loads", loads)
+    return parsed
+
+
+def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed = _counting_parses(monkeypatch)
     texts = [_TEXT % t for t in (b"one", b" two", b" caf\xc3\xa9", b" \\u00e9")]
     recorder = StreamRecorder()
     for data in [_ROLE, *texts, _LAST, b"[DONE]"]:
@@ -1050,14 +1057,7 @@ def test_an_openai_chunk_like_the_last_but_for_its_end_is_parsed(ending: bytes) 
 def test_openai_chunks_that_differ_in_their_text_and_obfuscation_alone_are_not_parsed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    parsed: list[bytes] = []
-    real = jsonio.loads
-
-    def loads(data: bytes | str) -> Any:
-        parsed.append(data if isinstance(data, bytes) else data.encode())
-        return real(data)
-
-    monkeypatch.setattr(jsonio, "loads", loads)
+    parsed = _counting_parses(monkeypatch)
     texts = [_openai(_TEXT % t, v) for t, v in ((b"one", b"ab"), (b" two", b"c"), (b"3", b""))]
     recorder = StreamRecorder()
     for data in [_openai(_ROLE, b"xyz"), *texts, _openai(_LAST, b"q"), b"[DONE]"]:
