@@ -192,6 +192,8 @@ BAD_REQUEST = 400
 # the prompt, or for 301 and 302 drop it. Refused like a 5xx, with the
 # Location in the operator's log line.
 REDIRECTS = range(300, 400)
+# The least status `_refuse` refuses (a redirect's): those under it answer.
+MIN_REFUSED_STATUS: Final = REDIRECTS.start
 
 
 @dataclass(frozen=True, slots=True)
@@ -1441,55 +1443,12 @@ class Forwarder:
                     loads.finished(target.name)
                     raise
                 try:
-                    if resp.status == NOT_IMPLEMENTED and method is None:
-                        raise await _not_implemented(resp)
-                    if resp.status >= RETRY_STATUS_MIN or (
-                        # A second origin's 424 to one request is its answer:
-                        # a request a shard cannot take (a JSON schema its
-                        # grammar library cannot build) fails each batch it
-                        # joins, so it is not sent to a third, and the client
-                        # gets the origin's reason, which it does not retry.
-                        resp.status == BACKEND_FAILED
-                        and (tries is None or not tries.backend_failed)
-                    ):
-                        raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
-                    if resp.status == BUSY:
-                        raise _Retryable(
-                            "http_429",
-                            "answered 429 (too busy, or the account with it is over its quota)",
-                            BUSY,
-                            resp.headers.get("retry-after", ""),
-                            worked=False,
-                        )
-                    if resp.status == ORIGIN_TIMED_OUT:
-                        raise _Retryable(
-                            "http_408",
-                            "answered 408 (it timed out waiting for the request)",
-                            resp.status,
-                            worked=False,
-                        )
-                    if resp.status == PAYMENT_REQUIRED:
-                        raise _Retryable(
-                            "account_refused",
-                            "answered 402: the operator's account with it wants payment",
-                            resp.status,
-                            worked=False,
-                        )
-                    if resp.status in REDIRECTS:
-                        where = resp.headers.get("location", "nowhere")[:200]
-                        raise _Retryable(
-                            "http_3xx",
-                            f"answered {resp.status}, a redirect to {where}: fix its base URL",
-                            resp.status,
-                            worked=False,
-                        )
-                    if resp.status in CREDENTIAL_REFUSED:
-                        raise _Retryable(
-                            "credential_refused",
-                            f"refused the proxy's credential ({resp.status})",
-                            resp.status,
-                            worked=False,
-                        )
+                    # Every status refused is 300 or more: one comparison
+                    # passes an answer by all of them.
+                    if resp.status >= MIN_REFUSED_STATUS:
+                        if resp.status == NOT_IMPLEMENTED and method is None:
+                            raise await _not_implemented(resp)
+                        _refuse(resp, tries)
                     content_type = resp.content_type
                     streamed = content_type == "text/event-stream"
                     body_read: bytes | None = None
@@ -2107,6 +2066,58 @@ def _error_answer(parsed: dict[str, Any], status: int) -> _Retryable:
         shown=origin_error_of(parsed, "upstream_error") if blame == "request" else None,
         blame=blame,
     )
+
+
+def _refuse(resp: OriginResponse, tries: _Tries | None) -> None:
+    """Raise the _Retryable of an answer whose status refuses the call (a
+    5xx, a second origin's 424, a 429, a 408, a 402, a redirect or a refused
+    credential); return for any other. A 501 to a call of an endpoint is
+    `_not_implemented`'s, asked first."""
+    if resp.status >= RETRY_STATUS_MIN or (
+        # A second origin's 424 to one request is its answer: a request a
+        # shard cannot take (a JSON schema its grammar library cannot build)
+        # fails each batch it joins, so it is not sent to a third, and the
+        # client gets the origin's reason, which it does not retry.
+        resp.status == BACKEND_FAILED and (tries is None or not tries.backend_failed)
+    ):
+        raise _Retryable("http_5xx", f"answered {resp.status}", resp.status)
+    if resp.status == BUSY:
+        raise _Retryable(
+            "http_429",
+            "answered 429 (too busy, or the account with it is over its quota)",
+            BUSY,
+            resp.headers.get("retry-after", ""),
+            worked=False,
+        )
+    if resp.status == ORIGIN_TIMED_OUT:
+        raise _Retryable(
+            "http_408",
+            "answered 408 (it timed out waiting for the request)",
+            resp.status,
+            worked=False,
+        )
+    if resp.status == PAYMENT_REQUIRED:
+        raise _Retryable(
+            "account_refused",
+            "answered 402: the operator's account with it wants payment",
+            resp.status,
+            worked=False,
+        )
+    if resp.status in REDIRECTS:
+        where = resp.headers.get("location", "nowhere")[:200]
+        raise _Retryable(
+            "http_3xx",
+            f"answered {resp.status}, a redirect to {where}: fix its base URL",
+            resp.status,
+            worked=False,
+        )
+    if resp.status in CREDENTIAL_REFUSED:
+        raise _Retryable(
+            "credential_refused",
+            f"refused the proxy's credential ({resp.status})",
+            resp.status,
+            worked=False,
+        )
 
 
 def _copy(resp: OriginResponse) -> CIMultiDict[str]:
