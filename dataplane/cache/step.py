@@ -425,7 +425,7 @@ class EdgeCache:
             except UncacheableRequest:
                 decision = UNKEYABLE
         if not (decision.lookup or decision.store):
-            self._count("bypass", decision.reason)
+            self._count("bypass", decision.reason.value)
             bypass = CachePlan("bypass", decision.reason.value)
             bypass.not_cached = cc.only_if_cached
             return bypass
@@ -905,8 +905,7 @@ class EdgeCache:
         self._metrics.cache_hits.labels("local").inc()
 
     def _count(self, result: str, kind: str) -> None:
-        m = self._metrics
-        m.cache_requests.add(result, str(kind))
+        self._metrics.cache_requests.add(result, kind)
 
 
 def _following(
