@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 
 from dataplane.auth.authenticator import Principal
 from dataplane.http import pipeline as handlers
+from dataplane.http.errors import ApiError
 from dataplane.metrics import Metrics
 from dataplane.ratelimit import RateLimiter, ScopeLimits, Share
 from dataplane.ratelimit.limiter import JOIN_WINDOW_S
@@ -185,19 +186,73 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
     assert (rl._scopes[T].waiting, rl.in_flight(T)) == (0, 1)
 
 
-def admitting(rl: RateLimiter, metrics: Metrics) -> asyncio.Task[None]:
-    """Pipeline.admit of an acme request under scope T, under way."""
+def admitting(
+    rl: RateLimiter, metrics: Metrics, ex: SimpleNamespace | None = None
+) -> asyncio.Task[None]:
+    """Pipeline.admit of `ex` (default: an acme request under scope T), under way."""
     unused = cast(Any, None)  # admit uses the limiter and the metrics only
     pipeline = handlers.Pipeline(
         unused, rl, unused, unused, unused, metrics, unused, max_body_bytes=1024
     )
-    ex = SimpleNamespace(
+    return asyncio.create_task(pipeline.admit(cast(handlers.Exchange, ex or exchange())))
+
+
+def exchange() -> SimpleNamespace:
+    """The fields of an acme request under scope T that admission reads."""
+    return SimpleNamespace(
         principal=Principal("acme", "", (T,)),
         endpoint=handlers.ENDPOINTS["chat.completions"],
         body={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
         estimate=8,  # Exchange.estimate's, of that body
+        admission=None,
+        limit_headers=None,  # admission sets them (a concurrency limit's are none)
+        limit_lines=b"",
     )
-    return asyncio.create_task(pipeline.admit(cast(handlers.Exchange, ex)))
+
+
+async def test_a_request_admitted_after_its_wait_holds_its_admission() -> None:
+    """The slot freed during the wait admits the request: it holds the
+    admission (its settlement releases it) and the admission's headers, as
+    one admitted at once does; the wait is counted admitted."""
+    rl = limiter(1, limit=20, spare=True)
+    held = rl.admit([T], 1, time.monotonic())
+    assert held.ok
+    metrics = Metrics()
+    ex = exchange()
+    task = admitting(rl, metrics, ex)
+    for _ in range(100):
+        if rl._scopes[T].waiting:
+            break
+        await asyncio.sleep(0)
+    assert rl._scopes[T].waiting == 1, "the request never waited for a slot"
+    held.release(1, time.monotonic())
+    await asyncio.wait_for(task, 2.0)
+    assert ex.admission is not None and ex.admission.ok
+    assert (ex.limit_headers, ex.limit_lines) == (ex.admission.headers, ex.admission.lines)
+    assert rl.in_flight(T) == 1
+    text = generate_latest(metrics.registry).decode()
+    assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 1.0' in text
+
+
+async def test_a_request_refused_after_its_wait_gets_the_429(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No slot came within the wait: the request is refused as one refused
+    at once is (a 429, the limits' headers, counted), and the wait is
+    counted refused."""
+    monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.2)
+    rl = limiter(1, limit=20, spare=True)
+    assert rl.admit([T], 1, time.monotonic()).ok  # the one slot here stays busy
+    metrics = Metrics()
+    ex = exchange()
+    with pytest.raises(ApiError) as refused:
+        await asyncio.wait_for(admitting(rl, metrics, ex), 2.0)
+    assert refused.value.status == 429
+    assert ex.admission is None and ex.limit_lines is None
+    assert ex.limit_headers == []  # the limiter's (a concurrency limit has none)
+    text = generate_latest(metrics.registry).decode()
+    assert 'ponto_ratelimit_slot_waits_total{outcome="refused"} 1.0' in text
+    assert 'ponto_ratelimit_refusals_total{limit="concurrency"} 1.0' in text
 
 
 async def test_a_wait_whose_client_leaves_is_counted_as_abandoned() -> None:
