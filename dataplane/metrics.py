@@ -196,9 +196,12 @@ class Counter(_Family[CounterCell]):
 
     def add(self, *values: str) -> None:
         """labels(*values).inc() in one call: the counters every request
-        moves (a Python call costs some 450 instructions, bench/instructions.py)."""
-        cell = self._cells.get(values)
-        if cell is None:
+        moves (a Python call costs some 450 instructions, bench/instructions.py).
+        A subscript, not get(): the cell is nearly always there, and a hit
+        costs some 110 instructions less so (callgrind on a loop)."""
+        try:
+            cell = self._cells[values]
+        except KeyError:
             cell = self.labels(*values)
         cell.value += 1.0
 
@@ -224,8 +227,9 @@ class Histogram(_Family[HistogramCell]):
 
     def observe_at(self, value: float, *values: str) -> None:
         """labels(*values).observe(value) in one call, as Counter.add."""
-        cell = self._cells.get(values)
-        if cell is None:
+        try:
+            cell = self._cells[values]
+        except KeyError:
             cell = self.labels(*values)
         cell.counts[bisect.bisect_left(self._bounds, value)] += 1  # HistogramCell.observe's
         cell.sum += value
@@ -991,8 +995,9 @@ class Metrics:
         instructions a request through Counter.add and Histogram.observe_at
         (with str(status)), 3,200 so."""
         given = (endpoint, status)
-        cells = self._answers_of.get(given)
-        if cells is None:
+        try:  # a subscript, as Counter.add's
+            cells = self._answers_of[given]
+        except KeyError:
             cells = self._answers_of[given] = (
                 self.requests.labels(endpoint, str(status)),
                 self.duration.labels(endpoint),
@@ -1023,8 +1028,9 @@ class Metrics:
         # through labels(*who, type).inc(): once a request with a usage
         # (callgrind on a loop: 9,830 instructions a call before, 4,300 now).
         who = (tenant, key_label(key)) if self.key_labels else (tenant,)
-        cells = self._tokens_for.get(who)
-        if cells is None:
+        try:  # a subscript, as Counter.add's
+            cells = self._tokens_for[who]
+        except KeyError:
             cells = self._tokens_for[who] = [None, None]
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
         if prompt:
@@ -1088,8 +1094,9 @@ class Metrics:
         # and two calls of observe: this runs once a request (callgrind on a
         # loop of operation: 11,300 instructions a call before, 10,100 now).
         found = (operation, model, error_type, region, cache)
-        cell = self._durations_of.get(found)
-        if cell is None:
+        try:  # a subscript, as Counter.add's
+            cell = self._durations_of[found]
+        except KeyError:
             cell = self._durations_of[found] = self.genai_duration.labels(
                 operation, provider, model, error_type, region, cache
             )
@@ -1104,8 +1111,9 @@ class Metrics:
                 chunk_gap_s
             )
         if usage is not None:
-            cells = self._tokens_of.get((operation, model, region))
-            if cells is None:
+            try:
+                cells = self._tokens_of[(operation, model, region)]
+            except KeyError:
                 tokens = self.genai_tokens
                 cells = self._tokens_of[(operation, model, region)] = (
                     tokens.labels(operation, provider, model, "input", region),
@@ -1116,11 +1124,11 @@ class Metrics:
             prompt, cell = usage.prompt_tokens, cells[0]
             cell.counts[bisect.bisect_left(cell._bounds, prompt)] += 1
             cell.sum += prompt
-            cell = cells[1]
-            if cell is not None:
+            output = cells[1]
+            if output is not None:
                 completion = usage.completion_tokens
-                cell.counts[bisect.bisect_left(cell._bounds, completion)] += 1
-                cell.sum += completion
+                output.counts[bisect.bisect_left(output._bounds, completion)] += 1
+                output.sum += completion
 
     def origins_named(self, origins: Iterable[str]) -> None:
         """The origins a table names (each apply): their ejection and stream
