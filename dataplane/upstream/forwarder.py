@@ -2131,9 +2131,11 @@ def _copy(resp: OriginResponse) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     passed = _PASSED
     for name, value in resp.headers.items():
-        # By its name as sent, looked up once: an origin sends the same few.
-        kept = passed.get(name)
-        if kept is None:
+        # By its name as sent, looked up once: an origin sends the same few
+        # (a subscript, as metrics.Counter.add's: nearly always there).
+        try:
+            kept = passed[name]
+        except KeyError:
             kept = _passed(name)
         if kept and value.isprintable() and (not hop or name.lower() not in hop):
             out.add(name, value)
