@@ -75,10 +75,11 @@ class Target:
         return self.tag or origin_tag(self.name)
 
     def url(self, path: str) -> URL:
-        found = self.urls.get(path)
-        if found is None:
+        try:  # a subscript: nearly always there (metrics.Counter.add's reason)
+            return self.urls[path]
+        except KeyError:
             found = self.urls[path] = URL(self.base_url + path)
-        return found
+            return found
 
 
 # The origins a credential warning names (Routes.credential_problems).

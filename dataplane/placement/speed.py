@@ -152,8 +152,9 @@ class SpeedBoard:
             self._refresh_at = now + REFRESH_S
             self.generation += 1
         key = (origin, stream)
-        held = self._cost.get(key)
-        if held is None:
+        try:  # a subscript: nearly always there (metrics.Counter.add's reason)
+            held = self._cost[key]
+        except KeyError:
             # Clipped as any sample is (to CLIP times the floor here): one
             # cold first answer must not mark a replica for its decay.
             clip = CLIP * _FLOORS[stream]
