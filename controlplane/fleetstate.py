@@ -24,6 +24,24 @@ from controlplane.registry import replica_silence
 TABLE_GRACE_S = 5.0
 
 
+def replica_silent_s(
+    p: ProxyRecord,
+    replicas: Mapping[str, Mapping[str, object]],
+    silences: Mapping[str, float],
+) -> float | None:
+    """Seconds proxy `p`'s replica has not renewed its lease for, when that
+    is longer than it should (replica_silence; `replicas` and `silences` as
+    unknown_why takes them); None while it renews. A replica ends a
+    proxy's registration when its route stream ends, so a listed proxy's
+    stream is open unless its replica is silent (hung or dead: its keys
+    stay until its lease ends)."""
+    # A replica not listed is not judged by it: its proxies' keys are under
+    # its lease, so one whose lease ended has none listed either.
+    replica = replicas.get(p.control_plane_id)
+    seen = silences.get(p.control_plane_id)
+    return None if replica is None or seen is None else replica_silence(replica, seen)
+
+
 def unknown_why(
     p: ProxyRecord,
     replicas: Mapping[str, Mapping[str, object]],
@@ -39,11 +57,7 @@ def unknown_why(
     this replica's, published `latest_age_s` seconds ago, past
     TABLE_GRACE_S."""
     replica_id = p.control_plane_id
-    # A replica not listed is not judged by it: its proxies' keys are under
-    # its lease, so one whose lease ended has none listed either.
-    replica = replicas.get(replica_id)
-    seen = silences.get(replica_id)
-    silent = None if replica is None or seen is None else replica_silence(replica, seen)
+    silent = replica_silent_s(p, replicas, silences)
     if silent is not None:
         return f"its replica {replica_id} has not renewed for {silent:.0f} s"
     if (

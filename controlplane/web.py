@@ -84,7 +84,7 @@ from controlplane.errors import (
     OutcomeUnknown,
     Unavailable,
 )
-from controlplane.fleetstate import unknown_why
+from controlplane.fleetstate import replica_silent_s, unknown_why
 from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
 from controlplane.load import continuation_warning
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
@@ -478,6 +478,7 @@ class StatusWeb:
                     now,
                     self._stale_after,
                     unknown_why(p, by_id, latest, latest_age, silences),
+                    stale=replica_silent_s(p, by_id, silences) is not None,
                 )
                 for p in proxies
             ],
@@ -1078,10 +1079,19 @@ class Departures:
 
 
 def _proxy_row(
-    p: ProxyRecord, latest: int, now: float, stale_after: float, unknown: str = ""
+    p: ProxyRecord,
+    latest: int,
+    now: float,
+    quiet_after: float,
+    unknown: str = "",
+    *,
+    stale: bool = False,
 ) -> dict[str, Any]:
     """A proxy's row; `unknown`: why its table state is not known
-    (fleetstate.unknown_why), when it is not latest whatever it ACKed."""
+    (fleetstate.unknown_why), when it is not latest whatever it ACKed;
+    `stale`: its route stream may be gone (fleetstate.replica_silent_s).
+    `quiet` says it reported no change for `quiet_after` seconds: an idle
+    proxy, connected all the same, as only changes are written."""
     heard = p.heard_at or p.connected_at
     # Versions are each replica's own etcd revision: a proxy is compared with
     # the table of the replica it is connected to, this one's until known.
@@ -1101,7 +1111,8 @@ def _proxy_row(
         # config, say), beside a refusal of the last one (last_error).
         "warnings": list(proxy_warnings(p)),
         "age_s": max(0.0, now - heard),
-        "stale": now - heard > stale_after,
+        "quiet": now - heard > quiet_after,
+        "stale": stale,
         "requests": p.requests,
     }
 

@@ -276,12 +276,20 @@ function renderProxies(proxies, departed) {
         `${p.acked_version}? unknown: ${p.unknown}`)
       : el("td", { class: p.latest ? "current" : "behind", "data-acked": p.acked_version },
         p.latest ? `${p.acked_version} (latest)` : `${p.acked_version} of ${p.current_version}`),
-    el("td", p.stale ? { class: "stale", title: "no traffic since: a quiet proxy reports nothing" } : {},
-      age(p.age_s)),
+    el("td", heardCell(p), age(p.age_s)),
     el("td", {}, p.address),
     el("td", {}, p.version),
     el("td", { class: "problems" }, problems(p))));
   document.querySelector("#proxies tbody").replaceChildren(...rows, ...left);
+}
+
+// How a proxy's "heard" cell looks: muted, with why, when its route stream
+// may be gone (its replica stopped renewing) or it merely had no traffic (a
+// connected idle proxy reports no change, so its age grows).
+function heardCell(p) {
+  if (p.stale) return { class: "stale", title: "its replica stopped renewing: its stream may be gone" };
+  if (p.quiet) return { class: "quiet", title: "no traffic since: a quiet proxy reports nothing" };
+  return {};
 }
 
 // Why a proxy is behind, or what it cannot use of the table it serves; one

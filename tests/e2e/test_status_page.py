@@ -483,6 +483,7 @@ FAKE_STATUS = {
             "latest": True,
             "last_error": "",
             "age_s": 0,
+            "quiet": False,
             "stale": False,
             "requests": 0,
         }
@@ -730,10 +731,10 @@ def test_a_status_the_api_refuses_says_the_apis_reason(page: webdriver.Chrome) -
 
 def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> None:
     shown = cast(list[dict[str, object]], FAKE_STATUS["proxies"])[0]
-    status = {**FAKE_STATUS, "proxies": [{**shown, "name": "quiet", "age_s": 120, "stale": True}]}
+    status = {**FAKE_STATUS, "proxies": [{**shown, "name": "quiet", "age_s": 120, "quiet": True}]}
     cell = page.execute_script(
         "render(arguments[0]);"
-        "const td = document.querySelector('#proxies tbody td.stale');"
+        "const td = document.querySelector('#proxies tbody td.quiet');"
         "return [td.getAttribute('title'), getComputedStyle(td).fontWeight,"
         " getComputedStyle(td).color];",
         status,
@@ -741,6 +742,14 @@ def test_a_quiet_proxy_is_shown_quiet_not_alarming(page: webdriver.Chrome) -> No
     assert cell[0] == "no traffic since: a quiet proxy reports nothing"
     assert cell[1] == "400"  # not the bold of a proxy behind on its table
     assert cell[2] == "rgb(107, 119, 133)"  # --muted, not --warn
+    # One whose replica stopped renewing says its stream may be gone instead.
+    gone = {**shown, "name": "gone", "age_s": 120, "quiet": True, "stale": True}
+    title = page.execute_script(
+        "render(arguments[0]);"
+        "return document.querySelector('#proxies tbody td.stale').getAttribute('title');",
+        {**FAKE_STATUS, "proxies": [gone]},
+    )
+    assert title == "its replica stopped renewing: its stream may be gone"
 
 
 def test_with_writes_off_the_page_says_why_and_its_buttons_are_disabled(

@@ -79,9 +79,10 @@ class Fleet:
         header, rows = _rows_proxies(resp)
         return {row[0]: row[header.index("STATE")] for row in rows}
 
-    async def page(self) -> list[dict[str, Any]]:
+    async def page(self, later_s: float = 0.0) -> list[dict[str, Any]]:
+        """The page's proxies as read `later_s` seconds from now (wall clock)."""
         web = StatusWeb(self.catalog, self.cp1, "cp1")
-        proxies: list[dict[str, Any]] = (await web.status(time.time()))["proxies"]
+        proxies: list[dict[str, Any]] = (await web.status(time.time() + later_s))["proxies"]
         return proxies
 
 
@@ -92,6 +93,21 @@ async def test_the_proxies_of_a_replica_that_stopped_renewing_are_unknown() -> N
     assert await fleet.cli_states() == {"eu-1": f"unknown: {why}", "eu-2": f"unknown: {why}"}
     rows = await fleet.page()
     assert [(r["latest"], r["unknown"]) for r in rows] == [(False, why), (False, why)]
+
+
+async def test_an_idle_proxy_of_a_renewing_replica_is_quiet_not_stale() -> None:
+    """Trial 93: a connected proxy with no traffic read `stale` (its replica
+    writes only changed reports, so its age grows). Stale now says its stream
+    may be gone: its replica stopped renewing, its keys left to its lease."""
+    renewing = Fleet(cp3_silent_s=0.0, published_s_ago=1.0)
+    await renewing.start()
+    rows = await renewing.page(later_s=600.0)  # ten minutes without a request
+    assert {(r["quiet"], r["stale"]) for r in rows} == {(True, False)}
+    silent = Fleet(cp3_silent_s=8.0, published_s_ago=1.0)
+    await silent.start()
+    assert {(r["quiet"], r["stale"]) for r in await silent.page()} == {(False, True)}
+    await silent.beat(after_s=1.0)  # it renews again: its streams held
+    assert {r["stale"] for r in await silent.page()} == {False}
 
 
 async def test_a_replica_behind_the_latest_table_past_the_push_time_is_unknown() -> None:

@@ -208,7 +208,8 @@ async def test_status_shows_regions_origins_and_proxies(
     assert not proxies["p-us"]["latest"] and proxies["p-us"]["acked_version"] == 6
     assert proxies["p-us"]["current_version"] == 7
     assert proxies["p-eu"]["age_s"] == pytest.approx(100.0)  # since it connected: never heard
-    assert proxies["p-eu"]["stale"]  # nothing heard for three report writes
+    assert proxies["p-eu"]["quiet"]  # nothing heard for three report writes
+    assert not proxies["p-eu"]["stale"]  # listed, its replica renewing: connected
     # Never heard from: it counted nothing (a rate of 0, not unknown).
     assert regions["eu-west"]["requests_per_s"] == 0.0
     assert regions["eu-west"]["proxies"] == regions["us-east"]["proxies"] == 1
@@ -270,7 +271,7 @@ async def test_region_rates_come_from_the_reported_counters(plane: Plane) -> Non
     assert regions["eu-west"]["client_errors_per_s"] == 2.0
     assert regions["us-east"]["requests_per_s"] == 5.0
     assert {p["name"]: p["age_s"] for p in status["proxies"]} == {"p-eu": 0.0, "p-us": 0.0}
-    assert not any(p["stale"] for p in status["proxies"])
+    assert not any(p["quiet"] or p["stale"] for p in status["proxies"])
     # p-eu restarted: its counters start again from zero.
     await report(1_010.0, (4, 0, 0), (50, 0, 0))
     regions = {r["name"]: r for r in (await web.status(plane.clock.now))["regions"]}
@@ -1661,16 +1662,16 @@ async def test_the_store_is_said_away_since_its_reads_failed_not_since_a_view(
     assert status["state_store"]["since"] == 1_050.0  # the second outage's first read
 
 
-@pytest.mark.parametrize(("traffic_every", "stale"), [(30.0, True), (40.0, False)])
-async def test_a_proxy_is_stale_after_three_report_writes_of_its_replica(
-    plane: Plane, traffic_every: float, stale: bool
+@pytest.mark.parametrize(("traffic_every", "quiet"), [(30.0, True), (40.0, False)])
+async def test_a_proxy_is_quiet_after_three_report_writes_of_its_replica(
+    plane: Plane, traffic_every: float, quiet: bool
 ) -> None:
     """--traffic-interval-ms: the replicas write reports that often, and a
-    proxy not heard for three of them (here 100 s) is shown stale."""
+    proxy not heard for three of them (here 100 s) is shown quiet."""
     server = TestServer(web_of(plane, traffic_every=traffic_every).app())
     async with TestClient(server) as c:
         status = await (await c.get("/api/status")).json()
-    assert {p["name"]: p["stale"] for p in status["proxies"]} == {"p-eu": stale, "p-us": stale}
+    assert {p["name"]: p["quiet"] for p in status["proxies"]} == {"p-eu": quiet, "p-us": quiet}
     assert status["rates_window_s"] == 3 * traffic_every  # the page says so
 
 
