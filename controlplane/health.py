@@ -185,6 +185,26 @@ def health_line(health: OriginHealth, fall: int, *, passed: bool = False) -> str
     return f"origin {name} is healthy"
 
 
+# Origins unhealthy as a term starts each logged on a line of their own, up
+# to this many; one line says how many more (a fleet of 300 dead origins
+# would flood the log with each new leader).
+INHERITED_LINES = 10
+
+
+def say_inherited(healths: list[OriginHealth], fall: int) -> None:
+    """Log the origins a term starts with unhealthy (`healths`, as stored):
+    flips alone are logged (_probe), so an origin that was failing when this
+    leader took over would otherwise never be, for as long as it fails."""
+    for h in healths[:INHERITED_LINES]:
+        log.info("%s, as stored when this leader's term started", health_line(h, fall))
+    if len(healths) > INHERITED_LINES:
+        log.info(
+            "and %d more origins unhealthy when this leader's term started "
+            "(pontoctl get origins lists them)",
+            len(healths) - INHERITED_LINES,
+        )
+
+
 # Changes of load alone are written at most this often, for all origins
 # together (by this leader's monotonic clock: the records' `checked_at` are
 # wall clocks, maybe another leader's), in as few transactions as etcd takes:
@@ -322,12 +342,16 @@ class Prober:
                         off.name, healthy=True, inflight_unknown=True, checked_at=time.time()
                     )
                 )
+        inherited = []
         for origin in probed:
             if origin.name not in self._tracks:
                 stored = state.health.get(origin.name)
                 self._tracks[origin.name] = _Track(
                     healthy=stored.healthy if stored else True, written=stored
                 )
+                if stored is not None and not stored.healthy:
+                    inherited.append(stored)
+        say_inherited(inherited, self._settings.fall)
         moved = await asyncio.gather(*await self._started(session, probed))
         now = self._clock()
         if now - self._loads_written_at >= LOAD_WRITE_INTERVAL_S:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from controlplane.catalog import Catalog
 from controlplane.errors import Unavailable
 from controlplane.health import (
     AT_ONCE,
+    INHERITED_LINES,
     LOAD,
     LOAD_WRITE_INTERVAL_S,
     PROBES_A_TURN,
@@ -778,6 +780,35 @@ async def test_prober_starts_from_stored_health(
     h = await stored(catalog, "o1")
     assert h is not None
     assert h.healthy
+
+
+async def test_a_term_logs_the_origins_it_starts_with_unhealthy_once(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Flips alone are logged: a leader that took over while an origin
+    failed logged nothing of it for as long as it failed. It says each one
+    it starts with unhealthy once, up to INHERITED_LINES, then how many more."""
+    port = closed_port()
+    names = [f"dead{i:02}" for i in range(INHERITED_LINES + 2)]
+    catalog = await make_catalog(
+        *(Origin(n, f"http://127.0.0.1:{port}/v1", "eu-west", ("m",)) for n in names)
+    )
+    for n in names:
+        await catalog.put_health(OriginHealth(n, healthy=False, detail="probe answered 503"))
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
+    caplog.set_level(logging.INFO, logger="controlplane.health")
+    await probe(prober, session)
+    await probe(prober, session)  # the term's next round: said already
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        *(
+            f"origin {n} is unhealthy (probe answered 503), as stored when this "
+            "leader's term started"
+            for n in names[:INHERITED_LINES]
+        ),
+        "and 2 more origins unhealthy when this leader's term started "
+        "(pontoctl get origins lists them)",
+    ]
 
 
 def test_the_health_line_never_reads_healthy_because_a_probe_failed() -> None:
