@@ -71,9 +71,12 @@ Routes:
   random ``fail_rate`` or the ``x-sim-*`` headers.
 * ``GET /metrics`` -- Prometheus text, per ``model_name`` under vLLM's names:
   gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
-  ``vllm:kv_cache_usage_perc`` (0..1, blocks used / capacity, 0 without a
-  cache; the replica's one cache, so equal for every model; also as vLLM v0's
-  ``vllm:gpu_cache_usage_perc``), counters ``vllm:prefix_cache_queries_total``
+  ``vllm:kv_cache_usage_perc`` (0..1, the blocks requests under way hold,
+  their prompt and answer from prefill to their end, over the capacity, 0
+  without a cache: as vLLM v1 counts blocks cached but unused free, an idle
+  replica reads 0 whatever prefixes it keeps; the replica's one cache, so
+  equal for every model; also as vLLM v0's ``vllm:gpu_cache_usage_perc``),
+  counters ``vllm:prefix_cache_queries_total``
   and ``vllm:prefix_cache_hits_total`` (prompt tokens looked up, found cached);
   and ``ponto_sim_requests_total{endpoint,status}``.
 * ``GET /sim/stats`` (requests, last request, prefix-cache tokens queried and
@@ -392,7 +395,8 @@ class SimMetrics:
         kv_usage_gauges = [
             Gauge(
                 name,
-                "KV-cache usage: fraction of the cache's blocks in use, 0 without a cache.",
+                "KV-cache usage: fraction of the cache's blocks requests under way hold,"
+                " 0 without a cache.",
                 ["model_name"],
                 registry=self.registry,
             )
@@ -511,7 +515,9 @@ class SimState:
         self.config = config
         self.stats = SimStats()
         self.kv_cache = BlockCache(config.kv_cache_tokens, config.kv_block_tokens)
-        self.metrics = SimMetrics(config.models, self.kv_cache.usage)
+        # KV blocks the requests under way hold (`hold_blocks`).
+        self.held_blocks = 0
+        self.metrics = SimMetrics(config.models, self.kv_usage)
         self.rng = random.Random(config.seed)  # noqa: S311 -- fault dice, not cryptography
         self.started = int(time.time())
         self.running = 0
@@ -553,6 +559,26 @@ class SimState:
             running.dec()
             if self._slots is not None:
                 self._slots.release()
+
+    def kv_usage(self) -> float:
+        """The share of the cache's blocks the requests under way hold (at
+        most 1), 0 without a cache. Not the prefix cache's fill: vLLM v1
+        counts a cached block no request uses as free (it is evicted when
+        one is needed), so an idle replica reads 0 with its prefixes kept."""
+        capacity = self.kv_cache.capacity_blocks
+        return min(self.held_blocks, capacity) / capacity if capacity else 0.0
+
+    @contextlib.contextmanager
+    def hold_blocks(self, tokens: int) -> Iterator[None]:
+        """Count the blocks of a request's ``tokens`` (prompt and answer) held
+        for the duration of the block; nothing without a cache."""
+        size = self.kv_cache.block_tokens
+        blocks = -(-tokens // size) if self.kv_cache.capacity_blocks else 0
+        self.held_blocks += blocks
+        try:
+            yield
+        finally:
+            self.held_blocks -= blocks
 
     async def prefill(
         self, model: str, hashes: Sequence[int], prompt_tokens: int, rate: float
@@ -1476,37 +1502,40 @@ async def _generate(
     try:
         with state.watch.guard(request):
             async with state.occupy(job.model):
-                cached = await state.prefill(
-                    job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
-                )
-                if state.kv_cache.capacity_blocks:
-                    job = dataclasses.replace(job, cached_tokens=cached)
-                headers = {"x-sim-cached-tokens": str(cached)}
-                pacer = _Pacer(config, lambda: state.running, stall_ms)
-                if job.stream:
-                    resp.headers.update(headers)
-                    named = job.kind == "responses"
-                    events = (_response_events if named else _stream_events)(
-                        job, ident, created, pieces
+                # Its blocks are held from its prefill to its end, the
+                # answer's a little early (vLLM allocates those as it decodes).
+                with state.hold_blocks(job.prompt_tokens + len(pieces)):
+                    cached = await state.prefill(
+                        job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
                     )
-                    await _stream(
-                        request,
-                        resp,
-                        pacer,
-                        events,
-                        cut_events,
-                        config.cut_after_tokens,
-                        named=named,
-                    )
+                    if state.kv_cache.capacity_blocks:
+                        job = dataclasses.replace(job, cached_tokens=cached)
+                    headers = {"x-sim-cached-tokens": str(cached)}
+                    pacer = _Pacer(config, lambda: state.running, stall_ms)
+                    if job.stream:
+                        resp.headers.update(headers)
+                        named = job.kind == "responses"
+                        events = (_response_events if named else _stream_events)(
+                            job, ident, created, pieces
+                        )
+                        await _stream(
+                            request,
+                            resp,
+                            pacer,
+                            events,
+                            cut_events,
+                            config.cut_after_tokens,
+                            named=named,
+                        )
+                        if answered is not None:
+                            answered(ident, created, pieces)
+                        return resp
+                    await pacer.until_last(len(pieces))
+                    full = _json(_full_body(job, ident, created, pieces))
+                    full.headers.update(headers)
                     if answered is not None:
                         answered(ident, created, pieces)
-                    return resp
-                await pacer.until_last(len(pieces))
-                full = _json(_full_body(job, ident, created, pieces))
-                full.headers.update(headers)
-                if answered is not None:
-                    answered(ident, created, pieces)
-                return full
+                    return full
     except ConnectionError:
         # The client hung up. Returning the stream already under way (or a
         # placeholder) lets aiohttp's own finishing write fail on the closed

@@ -298,10 +298,10 @@ async def test_metrics_use_vllm_names(make_client: MakeClient) -> None:
     assert samples[f"vllm:prefix_cache_queries_total{small}"] == 2 * n
     assert samples[f"vllm:prefix_cache_hits_total{small}"] == hit > 0
     assert samples['vllm:prefix_cache_queries_total{model_name="sim-large"}'] == 0
-    usage = (n // 16) / 100
+    # Idle: the cached prefix blocks count free, as in vLLM v1.
     for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-        assert samples[f"{name}{small}"] == pytest.approx(usage)
-        assert samples[f'{name}{{model_name="sim-large"}}'] == pytest.approx(usage)
+        assert samples[f"{name}{small}"] == 0
+        assert samples[f'{name}{{model_name="sim-large"}}'] == 0
     assert samples[f"vllm:num_requests_running{small}"] == 0
 
     stats = await (await client.get("/sim/stats")).json()
@@ -313,6 +313,32 @@ async def test_metrics_use_vllm_names(make_client: MakeClient) -> None:
     samples = await metrics(no_cache)
     assert samples[f"vllm:kv_cache_usage_perc{small}"] == 0
     assert samples[f"vllm:prefix_cache_hits_total{small}"] == 0
+
+
+async def test_kv_usage_is_the_blocks_requests_under_way_hold(make_client: MakeClient) -> None:
+    """Trial: an idle simulator read its prefix cache's fill as KV-cache
+    usage (1.0 once full), which vLLM v1 counts free. It reads the blocks of
+    the requests under way (prompt and answer) over the capacity."""
+    client = await make_client(kv_cache_tokens=32_000, tokens_per_s=50)  # 2,000 blocks
+    messages = conversation("hello")
+    _, answer = await chat(client, messages, max_tokens=2)
+    n = answer["usage"]["prompt_tokens"]
+    kv = 'vllm:kv_cache_usage_perc{model_name="sim-small"}'
+
+    async def usage_becomes(expected: float) -> None:
+        for _ in range(400):
+            if (await metrics(client))[kv] == pytest.approx(expected):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"KV-cache usage never read {expected}")
+
+    await usage_becomes(0.0)
+    body = {"model": "sim-small", "messages": messages, "max_tokens": 1000, "stream": True}
+    holder = await client.post(CHAT, data=orjson.dumps(body))
+    await usage_becomes(-(-(n + 1000) // 16) / 2000)
+    assert (await chat(client, messages, max_tokens=2))[0] > 0  # its prefix is cached all along
+    holder.close()  # it ends: its blocks are free again, cached or not
+    await usage_becomes(0.0)
 
 
 async def test_prefill_seconds_follow_uncached_tokens(make_client: MakeClient) -> None:
