@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
 import socket
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -139,7 +141,10 @@ class Settings:
 def _unwritable(folder: Path) -> str:
     """Why this user cannot keep files in `folder` ("" if it can): it is a
     directory it can write, or the nearest existing one above it is (the
-    proxy makes the rest, as write_atomic does)."""
+    proxy makes the rest, as write_atomic does). Written to, not judged by
+    its mode bits: for root those pass everywhere, /proc and a read-only
+    mount included (trial: `--state-dir /proc/x` as root started, then
+    logged an error at every save). A file made there is removed at once."""
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -147,6 +152,13 @@ def _unwritable(folder: Path) -> str:
         return f"{existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not a directory this user can write"
+    try:
+        fd, made = tempfile.mkstemp(prefix=".ponto-write-check.", dir=existing)
+    except OSError as exc:
+        return f"cannot create a file in {existing}: {exc.strerror or exc}"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(made)
     return ""
 
 

@@ -12,6 +12,7 @@ characters long), and those workers answered 503 for ever."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -172,6 +173,25 @@ def test_a_state_dir_that_cannot_be_made_is_refused_at_start(
     # One that is a directory, or can be made under one, is taken.
     for good in (tmp_path, tmp_path / "new" / "state"):
         assert parse([*BASE, "--state-dir", str(good)]).state_dir == good
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_state_dir_is_written_to_at_start_not_judged_by_its_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trial: as root (whom every mode bit lets write) `--state-dir /proc/x`
+    passed, then every save logged an error. A file is made and removed there."""
+    monkeypatch.setattr(os, "access", lambda *_, **__: True)  # as root
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, "--state-dir", "/proc/ponto-state"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith("--state-dir /proc/ponto-state: cannot create a file in /proc: "
+                            "No such file or directory")  # fmt: skip
+    # A writable one is taken, and left as it was.
+    (tmp_path / "kept").write_text("")
+    assert parse([*BASE, "--state-dir", str(tmp_path)]).state_dir == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
 
 
 def test_a_geoip_db_that_is_not_a_usable_database_is_refused_at_start(
