@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from yarl import URL
 
 from controlplane.api.admin import drain_warned
@@ -94,6 +94,7 @@ from controlplane.suspensions import Suspensions, status_rows
 from dataplane.http.edge import EdgeLimits, EdgeRunner
 from dataplane.http.refusals import refusals
 from dataplane.http.requestid import RequestIds
+from dataplane.http.state import SERVER_NAME
 from ponto.grpcconn import accepted_tokens, token_among
 from ponto.logs import Throttled
 from ponto.peers import client_of
@@ -297,6 +298,9 @@ class StatusWeb:
         app = web.Application(
             middlewares=[self._request_id, self._errors], client_max_size=64 * 1024
         )
+        # Every answer names the product as the proxy's do, not the Python
+        # and aiohttp versions aiohttp's prepare would write.
+        app.on_response_prepare.append(_name_the_server)
         app.router.add_get("/", self._index)
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         app.router.add_get("/api/status", self._status)
@@ -1076,6 +1080,11 @@ class Departures:
     def gone(self) -> list[tuple[ProxyRecord, float]]:
         """Each departed proxy's last record and when it was first missed, by name."""
         return [self._gone[name] for name in sorted(self._gone)]
+
+
+async def _name_the_server(_: web.Request, response: web.StreamResponse) -> None:
+    """An on_response_prepare hook: aiohttp has set its own Server by then."""
+    response.headers[hdrs.SERVER] = SERVER_NAME
 
 
 def _proxy_row(

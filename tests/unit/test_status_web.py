@@ -47,6 +47,7 @@ from controlplane.web import (
     TokenMisses,
     departed_rows,
 )
+from dataplane.http.state import SERVER_NAME
 from ponto.pki import make_bundle
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import admin_pb2_grpc
@@ -1338,6 +1339,27 @@ async def port(plane: Plane) -> AsyncIterator[int]:
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     yield runner.addresses[0][1]
     await runner.cleanup()
+
+
+async def test_every_answer_names_the_product_not_python_and_aiohttp(port: int) -> None:
+    """Trial: the status port said `Server: Python/3.11 aiohttp/3.x` where the
+    proxy says `ponto` (no versions to look up flaws of)."""
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        for method, path in (
+            ("GET", "/"),
+            ("GET", "/static/status.js"),
+            ("GET", "/api/status"),
+            ("GET", "/nowhere"),  # a 404
+            ("POST", "/api/regions/eu-west/drain"),  # refused: no header, no token
+            ("DELETE", "/api/status"),  # a 405
+        ):
+            async with session.request(method, base + path) as resp:
+                await resp.read()
+                assert resp.headers.getall("Server") == [SERVER_NAME], (method, path)
+    # As the edge's own refusals do.
+    _, headers, _ = await exchange(port, b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+    assert headers["server"] == SERVER_NAME
 
 
 async def exchange(port: int, data: bytes) -> tuple[bytes, dict[str, str], bytes]:
