@@ -15,7 +15,10 @@ What goes into a key (see `canonical_request`):
   its tabs (TSV data), a text of several lines with its line structure and
   indentation kept, for they can
   change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
-  tool results and non-text parts are kept exactly. Completion prompts,
+  tool results and non-text parts are kept exactly, and so is the text of the
+  final message of a request that continues it (vLLM's
+  `continue_final_message`: a prefill the answer goes on from, where a
+  trailing space or line break decides the next token). Completion prompts,
   embedding inputs and a rerank's query and documents are kept exactly too: a
   raw prompt's trailing whitespace changes its tokens, and an embedding or a
   relevance score is of the exact text.
@@ -243,6 +246,9 @@ def canonical_request(
     that have no canonical form.
     """
     params: dict[str, Any] = {}
+    # A chat request continuing its final message (a prefill) keys that
+    # message's text exactly (module docstring).
+    exact_final = False
     for name in sorted(body):
         value = body[name]
         if name == "stream_options" and (usage_in_chunks := _continuous_usage(value)):
@@ -262,11 +268,18 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            params[name] = _canon_messages(value)
+            exact_final = body.get("continue_final_message") is True
+            params[name] = _canon_messages(value, exact_last=exact_final)
         else:
             params[name] = _canon(value)
     # Built in its keys' sorted order (JSON keeps insertion order), so no sort.
     doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
+    if exact_final:
+        # Every continuing request's key moves, so an entry an older proxy
+        # keyed with the prefill normalised (perhaps another prefill's answer,
+        # in the region's Redis) is never found; no other key moves, so no
+        # KEY_VERSION bump empties every cache.
+        doc["final_message"] = "exact"
     if headers:
         # Only when there are any, so the common key stays as it is.
         lowered = {k.lower(): v for k, v in headers.items()}
@@ -503,9 +516,13 @@ def _text_of_part(part: Any) -> str | None:
     return None
 
 
-def _canon_messages(messages: Any) -> Any:
+def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
+    """The messages as keyed: each turn's text normalised, but for the last
+    turn's when `exact_last` (a prefill its answer continues), kept as sent."""
     if not isinstance(messages, list):
         return _canon(messages)
+    if exact_last and messages:
+        return [*_canon_messages(messages[:-1]), _canon(messages[-1])]
     out: list[Any] = []
     for m in messages:
         if type(m) is dict and len(m) == 2:
