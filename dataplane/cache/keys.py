@@ -16,9 +16,10 @@ What goes into a key (see `canonical_request`):
   indentation kept, for they can
   change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
   tool results and non-text parts are kept exactly, and so is the text of the
-  final message of a request that continues it (vLLM's
-  `continue_final_message`: a prefill the answer goes on from, where a
-  trailing space or line break decides the next token). Completion prompts,
+  final message when the answer goes on from it or repeats it (vLLM's
+  `continue_final_message`, `add_generation_prompt: false` and chat `echo`,
+  `_final_as_sent`): a prefill's trailing space or line break decides the
+  next token, and an echoed text is the answer's start. Completion prompts,
   embedding inputs and a rerank's query and documents are kept exactly too: a
   raw prompt's trailing whitespace changes its tokens, and an embedding or a
   relevance score is of the exact text.
@@ -246,8 +247,8 @@ def canonical_request(
     that have no canonical form.
     """
     params: dict[str, Any] = {}
-    # A chat request continuing its final message (a prefill) keys that
-    # message's text exactly (module docstring).
+    # A chat request whose answer goes on from or repeats its final message
+    # keys that message's text as sent (module docstring).
     exact_final = False
     for name in sorted(body):
         value = body[name]
@@ -268,16 +269,16 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            exact_final = body.get("continue_final_message") is True
+            exact_final = _final_as_sent(body)
             params[name] = _canon_messages(value, exact_last=exact_final)
         else:
             params[name] = _canon(value)
     # Built in its keys' sorted order (JSON keeps insertion order), so no sort.
     doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
     if exact_final:
-        # Every continuing request's key moves, so an entry an older proxy
-        # keyed with the prefill normalised (perhaps another prefill's answer,
-        # in the region's Redis) is never found; no other key moves, so no
+        # Every such request's key moves, so an entry an older proxy keyed
+        # with that text normalised (perhaps another text's answer, in the
+        # region's Redis) is never found; no other key moves, so no
         # KEY_VERSION bump empties every cache.
         doc["final_message"] = "exact"
     if headers:
@@ -312,6 +313,22 @@ def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
     if value is None or value is False:
         return None
     return {"continuous_usage_stats": _canon(value)}
+
+
+def _final_as_sent(body: Mapping[str, Any]) -> bool:
+    """Whether a chat request's answer holds its final message's text as
+    sent, so that text is keyed exactly: continued (vLLM's
+    `continue_final_message`), left open for the model to go on from
+    (`add_generation_prompt: false`: no assistant header after it), or
+    repeated at the answer's start (chat `echo`). Keyed normalised, a
+    trailing or doubled space was another request's answer (trial 97:
+    "Sure:" continued with the answer to "Sure: ", which lacks its leading
+    space)."""
+    return (
+        body.get("continue_final_message") is True
+        or body.get("add_generation_prompt") is False
+        or body.get("echo") is True
+    )
 
 
 # Parameters whose value, when it is this one, is what leaving them out means
@@ -518,7 +535,7 @@ def _text_of_part(part: Any) -> str | None:
 
 def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
     """The messages as keyed: each turn's text normalised, but for the last
-    turn's when `exact_last` (a prefill its answer continues), kept as sent."""
+    turn's when `exact_last` (`_final_as_sent`), kept as sent."""
     if not isinstance(messages, list):
         return _canon(messages)
     if exact_last and messages:

@@ -609,43 +609,47 @@ def test_tool_call_arguments_and_tool_results_are_exact() -> None:
     assert base != key(convo('{"city": "paris"}', "sunny  \n 21C"))
 
 
-def test_the_prefill_a_request_continues_is_exact() -> None:
-    """vLLM's `continue_final_message` answers with what follows the final
-    message's text as sent: "Sure:" goes on with " ...", "Sure: " without the
-    space, so a trailing space or line break is another request (a new-user
-    trial: one prefill's entry answered the other's)."""
+def test_the_final_message_an_answer_goes_on_from_or_repeats_is_exact() -> None:
+    """vLLM's `continue_final_message` (and `add_generation_prompt: false`)
+    answers with what follows the final message's text as sent: "Sure:" goes
+    on with " ...", "Sure: " without the space; chat `echo` starts the answer
+    with that text. So a trailing space or line break is another request (a
+    new-user trial: one prefill's entry answered the other's)."""
 
     def prefill(text: Any, **params: Any) -> dict[str, Any]:
         partial = {"role": "assistant", "content": text}
-        return chat(
-            messages=[*chat()["messages"], partial],
-            add_generation_prompt=False,
-            **params,
-        )
+        return chat(messages=[*chat()["messages"], partial], **params)
 
+    as_sent = (
+        {"continue_final_message": True},
+        {"add_generation_prompt": False},
+        {"echo": True},
+    )
     for a, b in (
         ("Sure:", "Sure: "),
         ("```json", "```json\n"),
         ("a  b", "a b"),
         ([{"type": "text", "text": "Sure:"}], [{"type": "text", "text": "Sure: "}]),
     ):
-        assert key(prefill(a, continue_final_message=True)) != key(
-            prefill(b, continue_final_message=True)
-        )
-        # Without it the last turn is a finished one, normalised as any other.
-        assert key(prefill(a)) == key(prefill(b))
+        for params in as_sent:
+            assert key(prefill(a, **params)) != key(prefill(b, **params)), params
+        # Otherwise the last turn is a finished one, normalised as any other:
+        # the answer follows the generation prompt after it.
+        for params in ({}, {"add_generation_prompt": True}, {"echo": False}):
+            assert key(prefill(a, **params)) == key(prefill(b, **params))
     # Earlier turns are still normalised.
-    spaced = prefill("Sure:", continue_final_message=True)
+    spaced = prefill("Sure:", echo=True)
     spaced["messages"][1]["content"] = "  What is the capital of   France?"
-    assert key(spaced) == key(prefill("Sure:", continue_final_message=True))
+    assert key(spaced) == key(prefill("Sure:", echo=True))
 
-    # The rule moves every continuing request's key, even of a prefill that
-    # was normal already, off what an older proxy keyed it as.
+    # The rule moves every such request's key, even of a text that was
+    # normal already, off what an older proxy keyed it as.
     def doc(body: dict[str, Any]) -> dict[str, Any]:
         parsed: dict[str, Any] = orjson.loads(canonical_request(CHAT, body, tenant="t", model="m"))
         return parsed
 
-    assert "final_message" in doc(prefill("Sure:", continue_final_message=True))
+    for params in as_sent:
+        assert doc(prefill("Sure:", **params))["final_message"] == "exact"
     assert "final_message" not in doc(prefill("Sure:"))
 
 
