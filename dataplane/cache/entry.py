@@ -1065,12 +1065,17 @@ class _Choice:
                 "logprobs": self.logprobs,
                 "finish_reason": self.finish,
             }
+        content: str | None = joined.pop("content", "")
+        if not content and (self.tools or self.function_call or self.joined):
+            # An audio answer, like a tool call, has no text: content null, as
+            # a whole answer has it. vLLM opens every stream with a delta of
+            # `"content": ""`, which is no text (trial 97: a stored tool-call
+            # stream answered a whole request with content "", where OpenAI's
+            # whole answers, and vLLM's under `tool_choice: "auto"`, say null).
+            content = None
         message: dict[str, Any] = {
             "role": self.role or "assistant",
-            # An audio answer, like a tool call, has no text: content null, as sent.
-            "content": joined.pop(
-                "content", None if self.tools or self.function_call or self.joined else ""
-            ),
+            "content": content,
             "refusal": joined.pop("refusal", None),
         }
         message.update(joined)

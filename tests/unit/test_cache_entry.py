@@ -357,6 +357,23 @@ def test_tool_calls_are_assembled_by_index() -> None:
     assert completion.usage is None
 
 
+def test_a_tool_call_stream_opened_with_empty_content_has_content_null() -> None:
+    # vLLM's first delta is {"role": "assistant", "content": ""}, before tool
+    # calls too; its whole answer, as OpenAI's, has content null.
+    vllm = tool_stream()
+    vllm[0] = chunk([delta({"role": "assistant", "content": ""})])
+    message = orjson.loads(to_completion(recorded(sse(vllm))))["choices"][0]["message"]
+    assert message["content"] is None
+    assert [c["id"] for c in message["tool_calls"]] == ["call_a", "call_b"]
+    # Text before the calls is the answer's, and an answer of no text and no
+    # call is an empty text.
+    said = [vllm[0], chunk([delta({"content": "Checking."})]), *vllm[1:]]
+    message = orjson.loads(to_completion(recorded(sse(said))))["choices"][0]["message"]
+    assert message["content"] == "Checking."
+    empty = orjson.loads(to_completion(recorded(sse(chat_stream([])))))
+    assert empty["choices"][0]["message"]["content"] == ""
+
+
 def test_several_choices_are_assembled_apart() -> None:
     entry = recorded(sse(chat_stream(["a", "b", "c"], n=3)))
     completion = ChatCompletion.model_validate_json(to_completion(entry))
