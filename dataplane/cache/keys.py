@@ -17,9 +17,11 @@ What goes into a key (see `canonical_request`):
   change its meaning: code, a table, a poem); roles, names, tool calls (arguments byte for byte),
   tool results and non-text parts are kept exactly, and so is the text of the
   final message when the answer goes on from it or repeats it (vLLM's
-  `continue_final_message`, `add_generation_prompt: false` and chat `echo`,
-  `_final_as_sent`): a prefill's trailing space or line break decides the
-  next token, and an echoed text is the answer's start. Completion prompts,
+  `continue_final_message`, `add_generation_prompt: false` and chat `echo`),
+  and of every message when the answer lists the prompt's tokens (vLLM's
+  `prompt_logprobs`; `_texts_as_sent`): a prefill's trailing space or line
+  break decides the next token, and an echoed text is the answer's start.
+  Completion prompts,
   embedding inputs and a rerank's query and documents are kept exactly too: a
   raw prompt's trailing whitespace changes its tokens, and an embedding or a
   relevance score is of the exact text.
@@ -247,9 +249,9 @@ def canonical_request(
     that have no canonical form.
     """
     params: dict[str, Any] = {}
-    # A chat request whose answer goes on from or repeats its final message
-    # keys that message's text as sent (module docstring).
-    exact_final = False
+    # Which chat texts a request keys as sent (`_texts_as_sent`): None, the
+    # final message's ("final") or every message's ("all").
+    as_sent: str | None = None
     for name in sorted(body):
         value = body[name]
         if name == "stream_options" and (usage_in_chunks := _continuous_usage(value)):
@@ -269,18 +271,21 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            exact_final = _final_as_sent(body)
-            params[name] = _canon_messages(value, exact_last=exact_final)
+            as_sent = _texts_as_sent(body)
+            if as_sent == "all":
+                params[name] = _canon(value)
+            else:
+                params[name] = _canon_messages(value, exact_last=as_sent == "final")
         else:
             params[name] = _canon(value)
     # Built in its keys' sorted order (JSON keeps insertion order), so no sort.
     doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
-    if exact_final:
+    if as_sent is not None:
         # Every such request's key moves, so an entry an older proxy keyed
-        # with that text normalised (perhaps another text's answer, in the
+        # with those texts normalised (perhaps another text's answer, in the
         # region's Redis) is never found; no other key moves, so no
         # KEY_VERSION bump empties every cache.
-        doc["final_message"] = "exact"
+        doc["exact_text"] = as_sent
     if headers:
         # Only when there are any, so the common key stays as it is.
         lowered = {k.lower(): v for k, v in headers.items()}
@@ -315,20 +320,24 @@ def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
     return {"continuous_usage_stats": _canon(value)}
 
 
-def _final_as_sent(body: Mapping[str, Any]) -> bool:
-    """Whether a chat request's answer holds its final message's text as
-    sent, so that text is keyed exactly: continued (vLLM's
-    `continue_final_message`), left open for the model to go on from
-    (`add_generation_prompt: false`: no assistant header after it), or
-    repeated at the answer's start (chat `echo`). Keyed normalised, a
-    trailing or doubled space was another request's answer (trial 97:
-    "Sure:" continued with the answer to "Sure: ", which lacks its leading
-    space)."""
-    return (
+def _texts_as_sent(body: Mapping[str, Any]) -> str | None:
+    """Which of a chat request's texts its answer holds as sent, so that they
+    are keyed exactly: "all" under vLLM's `prompt_logprobs` (the answer lists
+    the prompt's tokens, every message's); "final" when the answer goes on
+    from the final message (`continue_final_message`, or
+    `add_generation_prompt: false`: no assistant header after it) or repeats
+    it at its start (chat `echo`); else None. Keyed normalised, a trailing or
+    doubled space was another request's answer (trial 97: "Sure:" continued
+    with the answer to "Sure: ", which lacks its leading space)."""
+    if body.get("prompt_logprobs") is not None:
+        return "all"
+    if (
         body.get("continue_final_message") is True
         or body.get("add_generation_prompt") is False
         or body.get("echo") is True
-    )
+    ):
+        return "final"
+    return None
 
 
 # Parameters whose value, when it is this one, is what leaving them out means
@@ -535,7 +544,7 @@ def _text_of_part(part: Any) -> str | None:
 
 def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
     """The messages as keyed: each turn's text normalised, but for the last
-    turn's when `exact_last` (`_final_as_sent`), kept as sent."""
+    turn's when `exact_last` (`_texts_as_sent`), kept as sent."""
     if not isinstance(messages, list):
         return _canon(messages)
     if exact_last and messages:

@@ -649,8 +649,29 @@ def test_the_final_message_an_answer_goes_on_from_or_repeats_is_exact() -> None:
         return parsed
 
     for params in as_sent:
-        assert doc(prefill("Sure:", **params))["final_message"] == "exact"
-    assert "final_message" not in doc(prefill("Sure:"))
+        assert doc(prefill("Sure:", **params))["exact_text"] == "final"
+    assert "exact_text" not in doc(prefill("Sure:"))
+
+
+def test_every_message_is_exact_when_the_answer_lists_the_prompts_tokens() -> None:
+    """vLLM's `prompt_logprobs` answers with the logprob of every token of
+    the prompt, whitespace's too, so no message may be normalised."""
+
+    def scored(system: str, **params: Any) -> dict[str, Any]:
+        return chat(
+            messages=[{"role": "system", "content": system}, chat()["messages"][1]], **params
+        )
+
+    for logprobs in (0, 5):
+        assert key(scored("Be  terse.", prompt_logprobs=logprobs)) != key(
+            scored("Be terse.", prompt_logprobs=logprobs)
+        )
+    assert key(scored("Be  terse.")) == key(scored("Be terse."))
+    assert key(scored("Be terse.", prompt_logprobs=None)) == key(scored("Be terse."))
+    canonical = canonical_request(
+        CHAT, scored("Be terse.", prompt_logprobs=0), tenant="t", model="m"
+    )
+    assert orjson.loads(canonical)["exact_text"] == "all"
 
 
 def test_non_text_parts_are_exact() -> None:
