@@ -19,7 +19,7 @@ What goes into a key (see `canonical_request`):
   final message when the answer goes on from it or repeats it (vLLM's
   `continue_final_message`, `add_generation_prompt: false` and chat `echo`),
   and of every message when the answer lists the prompt's tokens (vLLM's
-  `prompt_logprobs`; `_texts_as_sent`): a prefill's trailing space or line
+  `prompt_logprobs`; `texts_as_sent`): a prefill's trailing space or line
   break decides the next token, and an echoed text is the answer's start.
   Completion prompts,
   embedding inputs and a rerank's query and documents are kept exactly too: a
@@ -249,7 +249,7 @@ def canonical_request(
     that have no canonical form.
     """
     params: dict[str, Any] = {}
-    # Which chat texts a request keys as sent (`_texts_as_sent`): None, the
+    # Which chat texts a request keys as sent (`texts_as_sent`): None, the
     # final message's ("final") or every message's ("all").
     as_sent: str | None = None
     for name in sorted(body):
@@ -271,7 +271,7 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            as_sent = _texts_as_sent(body)
+            as_sent = texts_as_sent(body)
             if as_sent == "all":
                 params[name] = _canon(value)
             else:
@@ -320,7 +320,7 @@ def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
     return {"continuous_usage_stats": _canon(value)}
 
 
-def _texts_as_sent(body: Mapping[str, Any]) -> str | None:
+def texts_as_sent(body: Mapping[str, Any]) -> str | None:
     """Which of a chat request's texts its answer holds as sent, so that they
     are keyed exactly: "all" under vLLM's `prompt_logprobs` (the answer lists
     the prompt's tokens, every message's); "final" when the answer goes on
@@ -544,7 +544,7 @@ def _text_of_part(part: Any) -> str | None:
 
 def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
     """The messages as keyed: each turn's text normalised, but for the last
-    turn's when `exact_last` (`_texts_as_sent`), kept as sent."""
+    turn's when `exact_last` (`texts_as_sent`), kept as sent."""
     if not isinstance(messages, list):
         return _canon(messages)
     if exact_last and messages:

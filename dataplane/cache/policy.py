@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS, RERANK
+from dataplane.cache.keys import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, texts_as_sent
 
 # Not "responses": a Responses request is stateful on the origin (stored by
 # default, `store`; continued by `previous_response_id`), and its answer's id
@@ -248,6 +248,11 @@ def decide(
         return CACHEABLE
     if offers_tools(body):
         return EXACT_ONLY
+    if texts_as_sent(body) is not None:
+        # Its answer holds texts as sent (a prompt's tokens, an echo, a
+        # prefill's continuation), which a near question's answer does not:
+        # looked up as an exact tenant's is.
+        return CACHEABLE
     return SEMANTIC
 
 

@@ -136,6 +136,26 @@ def test_a_request_offering_tools_is_matched_exactly_only(offer: dict[str, Any])
 
 
 @pytest.mark.parametrize(
+    "held",
+    [
+        {"prompt_logprobs": 0},
+        {"echo": True, "add_generation_prompt": False},
+        {"add_generation_prompt": False},
+        {"continue_final_message": True},
+    ],
+)
+def test_a_request_whose_answer_holds_its_texts_as_sent_is_matched_exactly(
+    held: dict[str, Any],
+) -> None:
+    # Such an answer lists the prompt's tokens, echoes a text or goes on
+    # from it: a near question's answer has other texts in it.
+    semantic = TenantCachePolicy(mode=CacheMode.SEMANTIC)
+    body = {**GREEDY, **held}
+    assert decide(semantic, CHAT, body, NONE) == Decision(True, True, Reason.CACHEABLE)
+    assert decide(semantic, CHAT, {**GREEDY, "echo": False}, NONE).semantic
+
+
+@pytest.mark.parametrize(
     "kwargs",
     [
         {"ttl_s": 0},
