@@ -248,12 +248,27 @@ def decide(
         return CACHEABLE
     if offers_tools(body):
         return EXACT_ONLY
-    if texts_as_sent(body) is not None:
-        # Its answer holds texts as sent (a prompt's tokens, an echo, a
-        # prefill's continuation), which a near question's answer does not:
-        # looked up as an exact tenant's is.
+    if _holds_the_question(body):
         return CACHEABLE
     return SEMANTIC
+
+
+def _holds_the_question(body: Mapping[str, Any]) -> bool:
+    """Whether a chat request's answer holds, as sent, the text the semantic
+    layer matches by meaning (the last user message's): every prompt token
+    under vLLM's `prompt_logprobs`, or a final user message the answer goes
+    on from or echoes (keys.texts_as_sent). A near question's answer holds
+    the other text, so such a request is looked up as an exact tenant's is.
+    A final assistant message (a prefill) is no question: it is in the
+    semantic namespace as sent."""
+    held = texts_as_sent(body)
+    if held is None:
+        return False
+    if held == "all":
+        return True
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    return isinstance(last, Mapping) and last.get("role") == "user"
 
 
 def offers_tools(body: Mapping[str, Any]) -> bool:

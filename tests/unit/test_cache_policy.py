@@ -144,15 +144,20 @@ def test_a_request_offering_tools_is_matched_exactly_only(offer: dict[str, Any])
         {"continue_final_message": True},
     ],
 )
-def test_a_request_whose_answer_holds_its_texts_as_sent_is_matched_exactly(
+def test_a_request_whose_answer_holds_its_question_is_matched_exactly(
     held: dict[str, Any],
 ) -> None:
-    # Such an answer lists the prompt's tokens, echoes a text or goes on
-    # from it: a near question's answer has other texts in it.
+    # Such an answer lists the prompt's tokens, echoes the question or goes
+    # on from it: a near question's answer holds the other question.
     semantic = TenantCachePolicy(mode=CacheMode.SEMANTIC)
-    body = {**GREEDY, **held}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {**GREEDY, "messages": question, **held}
     assert decide(semantic, CHAT, body, NONE) == Decision(True, True, Reason.CACHEABLE)
     assert decide(semantic, CHAT, {**GREEDY, "echo": False}, NONE).semantic
+    # A prefill after the question is in the namespace as sent; the question
+    # is matched by meaning as any other, but for prompt_logprobs.
+    prefill = {**body, "messages": [*question, {"role": "assistant", "content": "Sure:"}]}
+    assert decide(semantic, CHAT, prefill, NONE).semantic is ("prompt_logprobs" not in held)
 
 
 @pytest.mark.parametrize(
