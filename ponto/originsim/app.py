@@ -82,7 +82,8 @@ Routes:
 * ``GET /sim/stats`` (requests, last request, prefix-cache tokens queried and
   hit, prefill seconds), ``GET /sim/marks`` (the ``x-sim-mark`` header of every
   inference request that carried one, in arrival order), ``POST /sim/reset``,
-  ``GET|POST /sim/config`` -- test control.
+  ``GET|POST /sim/config``, ``POST /sim/release?name=NAME`` (lets the requests
+  held under NAME go on, and any that come later) -- test control.
 
 Chat and completion answers carry ``x-sim-cached-tokens: N``, the prompt tokens
 found in the KV cache (0 without one); with a cache, their ``usage`` also has
@@ -91,6 +92,9 @@ found in the KV cache (0 without one); with a cache, their ``usage`` also has
 Per-request fault headers (inference API only), applied in this order:
 
 * ``x-sim-delay-ms: N`` -- wait N ms before anything else (before headers).
+* ``x-sim-hold: NAME`` -- then wait until ``POST /sim/release?name=NAME``
+  (at once if it came first): a request kept in flight exactly as long as a
+  test needs, however slowly a loaded machine runs the rest.
 * ``x-sim-drop: before`` -- close the connection without sending a response.
 * ``x-sim-fail: STATUS`` -- answer STATUS (400-599) with an OpenAI error body.
 * ``x-sim-cut-after: N`` -- on a stream, send N ``data:`` events, then close the
@@ -526,6 +530,12 @@ class SimState:
         self.watch = _DisconnectWatch()
         # Responses kept (SimConfig.store_responses), oldest first.
         self.responses: OrderedDict[str, _Stored] = OrderedDict()
+        # x-sim-hold names, each set once released (and staying set).
+        self._holds: dict[str, asyncio.Event] = {}
+
+    def hold(self, name: str) -> asyncio.Event:
+        """The gate of the requests held under ``name``; set once released."""
+        return self._holds.setdefault(name, asyncio.Event())
 
     def store(self, stored: _Stored) -> None:
         """Keep a response, dropping the oldest past ``store_responses``."""
@@ -1146,11 +1156,29 @@ def _header_int(request: web.Request, name: str, low: int, high: int) -> int | N
     return value
 
 
+HOLD_NAME_MAX = 100
+
+
+def _hold_name(raw: str, param: str) -> str:
+    name = raw.strip()
+    if not 0 < len(name) <= HOLD_NAME_MAX:
+        raise _ApiError(
+            400,
+            f"{param} must be a name of 1 to {HOLD_NAME_MAX} characters, got {raw!r}.",
+            param=param,
+            code="invalid_sim_hold",
+        )
+    return name
+
+
 async def _inject_faults(request: web.Request, state: SimState) -> web.StreamResponse | None:
     """Apply delay and failure injection; return the response that replaces the real one."""
     delay_ms = _header_int(request, "x-sim-delay-ms", 0, 3_600_000)
     if delay_ms:
         await asyncio.sleep(delay_ms / 1000)
+    hold = request.headers.get("x-sim-hold")
+    if hold is not None:
+        await state.hold(_hold_name(hold, "x-sim-hold")).wait()
     drop = request.headers.get("x-sim-drop")
     if drop is not None:
         if drop.strip().lower() != "before":
@@ -1811,6 +1839,15 @@ async def _reset(request: web.Request) -> web.StreamResponse:
     return _json(stats.snapshot())
 
 
+async def _release(request: web.Request) -> web.StreamResponse:
+    try:
+        name = _hold_name(request.query.get("name", ""), "name")
+    except _ApiError as exc:
+        return exc.response()
+    request.config_dict[SIM_STATE].hold(name).set()
+    return _json({"released": name})
+
+
 async def _get_config(request: web.Request) -> web.StreamResponse:
     return _json(request.config_dict[SIM_STATE].config.knobs())
 
@@ -1965,6 +2002,7 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/sim/stats", _stats)
     app.router.add_get("/sim/marks", _marks)
     app.router.add_post("/sim/reset", _reset)
+    app.router.add_post("/sim/release", _release)
     app.router.add_get("/sim/config", _get_config)
     app.router.add_post("/sim/config", _set_config)
     return app

@@ -675,3 +675,25 @@ async def test_a_follow_up_without_a_store_is_a_404_as_on_vllm(client: SimClient
     )
     assert follow.status == 404
     assert previous in (await follow.json())["error"]["message"]
+
+
+async def test_a_held_request_answers_only_once_its_name_is_released(client: SimClient) -> None:
+    hold = {"x-sim-hold": "a"}
+    held = asyncio.ensure_future(post_json(client, CHAT, chat_body(), headers=hold))
+    # Another name's release and other requests leave it held (a loaded
+    # machine only makes it more so).
+    assert (await (await client.post("/sim/release?name=b")).json()) == {"released": "b"}
+    await post_json(client, CHAT, chat_body("not held"))
+    done, _ = await asyncio.wait([held], timeout=0.2)
+    assert not done
+    assert (await (await client.post("/sim/release?name=a")).json()) == {"released": "a"}
+    assert (await asyncio.wait_for(held, 10))["object"] == "chat.completion"
+    # A release that came first lets a later request through at once.
+    await post_json(client, CHAT, chat_body(), headers={"x-sim-hold": "b"})
+
+
+async def test_a_hold_needs_a_name(client: SimClient) -> None:
+    resp = await client.post(CHAT, data=orjson.dumps(chat_body()), headers={"x-sim-hold": " "})
+    assert (resp.status, (await resp.json())["error"]["code"]) == (400, "invalid_sim_hold")
+    resp = await client.post("/sim/release")
+    assert (resp.status, (await resp.json())["error"]["param"]) == (400, "name")
