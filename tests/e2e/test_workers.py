@@ -358,7 +358,7 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
     request in flight on a worker that leaves is answered; the control plane
     sees the same two proxies."""
     group = fleet.start_proxy(
-        "h", "us-east", workers=2, extra=["--forward-headers", "x-sim-delay-ms"]
+        "h", "us-east", workers=2, extra=["--forward-headers", "x-sim-hold,x-sim-mark"]
     )
     until("h's workers registered", lambda: {"h-w0", "h-w1"} <= registered(fleet))
     before = until("two workers", lambda: both_workers(group))
@@ -367,8 +367,18 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
     in_flight: list[object] = []
     done = threading.Event()
 
+    # The slow request is held by the origin until the test has seen what it
+    # waits for (a delay would be outlasted by workers slow to start on a
+    # loaded machine, and the old worker gone before any scrape saw it).
+    origin = f"http://{fleet.origins['o-us'].address}/sim"
+    held = {"x-sim-hold": "sighup-slow", "x-sim-mark": "sighup-slow"}
+
+    def release() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{origin}/release", params={"name": "sighup-slow"}, timeout=10)
+
     def slow() -> None:
-        r = httpx.post(url, json=CHAT, headers={"x-sim-delay-ms": "4000"}, timeout=30)
+        r = httpx.post(url, json=CHAT, headers=held, timeout=120)
         in_flight.append(r.status_code)
 
     def steady() -> None:
@@ -393,11 +403,15 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
                 pids_seen.update(dict(labels).get("pid", "") for labels in requests)
             time.sleep(0.1)
 
+    old = {str(pid) for pid in before.values()}
     threads = [threading.Thread(target=f) for f in (slow, steady, scrapes)]
     for t in threads:
         t.start()
     try:
         until("requests flowing", lambda: len(results) >= 5)
+        # At the origin, so an old worker holds it.
+        marks = partial(httpx.get, f"{origin}/marks", timeout=10)
+        until("the slow request at the origin", lambda: "sighup-slow" in marks().json()["marks"])
         os.kill(group.proc.pid, signal.SIGHUP)
 
         def replaced() -> dict[int, int] | None:
@@ -406,16 +420,19 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
             return now if fresh else None
 
         until("both workers replaced", replaced, timeout=60)
+        until("an old worker scraped", lambda: any(p in pids_seen for p in old), timeout=30)
+        release()
         until("the old workers gone", lambda: not any(alive(p) for p in before.values()), 60)
         count = len(results)
         until("requests flowing after the reload", lambda: len(results) >= count + 5)
     finally:
+        release()
         done.set()
         for t in threads:
             t.join(60)
     assert in_flight == [200]
     # An old worker finishing its requests was scraped, as series of its own.
-    assert {str(pid) for pid in before.values()} & pids_seen, pids_seen
+    assert old & pids_seen, pids_seen
     refused = [r for r in results if r != 200]
     assert not refused, refused[:5]
     assert registered(fleet) >= {"h-w0", "h-w1"}
