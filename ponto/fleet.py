@@ -78,6 +78,11 @@ DEMO_USERS = (
 # The demo's proxies believe X-Forwarded-For from here: curl on this machine
 # then speaks for the users above.
 DEMO_TRUSTED_PROXIES = "127.0.0.0/8,::1/128"
+# How long a proxy may take to listen. A worker group starts in a few seconds
+# on a quiet machine; on a loaded 2-core CI machine running two test processes
+# (load average 16) one took over 30 s. A bound, not a wait: a proxy
+# that listens sooner is returned sooner.
+PROXY_READY_S = 60.0
 
 
 @dataclass
@@ -195,7 +200,7 @@ class Fleet:
         extra: list[str] | None = None,
         wait: bool = True,
         launcher: Sequence[str] = (),
-        ready_timeout: float = 30.0,
+        ready_timeout: float = PROXY_READY_S,
     ) -> Managed:
         """Start a proxy; one process unless `workers` > 1 (dataplane/workers.py),
         whatever the machine's cores, so that runs do not depend on the machine.
