@@ -351,6 +351,10 @@ def test_the_supervisor_holds_none_of_the_proxys_libraries(fleet: Fleet) -> None
     assert "cygrpc" in Path(f"/proc/{worker[0]}/maps").read_text()
 
 
+# Two worker groups start and two workers start again, each a fresh
+# interpreter: beside a loaded run (load average near 20) that took a minute
+# in all, and with the module's fleet to start first, more than pytest's 120 s.
+@pytest.mark.timeout(240)
 def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> None:
     """A reload (certificates, the GeoIP database or the code changed on disk):
     each worker is started anew beside the old one, which leaves once its
