@@ -138,11 +138,14 @@ check: $(REDIS) $(PROMTOOL) $(CHROMIUM) $(HELM) $(STAMP)
 
 # pytest but tests/helm, as two processes side by side (tests/conftest.py's --part):
 # tests/e2e, whose output is printed when it ends, and the rest. Each half fails it,
-# but for selecting nothing (exit code 5) while the other half ran tests.
+# but for selecting nothing (exit code 5) while the other half ran tests. A shell
+# starts a background job with SIGINT and SIGQUIT ignored: the trap gives them back,
+# or Ctrl-C would stop the rest only while tests/e2e ran on for minutes, unseen.
 pytest-parts:
 	@mkdir -p $(dir $(E2E_OUT))
 	@echo "$(BIN)/pytest --ignore=tests/helm --part=e2e|rest $(PYTEST_ARGS), side by side"
-	@$(BIN)/pytest --ignore=tests/helm --part=e2e $(PYTEST_ARGS) > $(E2E_OUT) 2>&1 & pid=$$!; \
+	@(trap - INT QUIT; exec $(BIN)/pytest --ignore=tests/helm --part=e2e $(PYTEST_ARGS)) \
+	  > $(E2E_OUT) 2>&1 & pid=$$!; \
 	$(BIN)/pytest --ignore=tests/helm --part=rest $(PYTEST_ARGS); rest=$$?; \
 	wait $$pid; e2e=$$?; \
 	echo "--- tests/e2e, run beside the rest (exit code $$e2e)"; cat $(E2E_OUT); \

@@ -10,6 +10,7 @@ run the real make on the real Makefile with a fake pytest that answers as told.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,10 +136,17 @@ def test_pytest_runs_the_hooks() -> None:
 FAKE_PYTEST = """#!/bin/sh
 # Answers as told: $E2E_RC for --part=e2e, $REST_RC for --part=rest.
 case " $* " in
-  *" --part=e2e "*) echo "e2e half ran: $*"; exit "$E2E_RC" ;;
-  *" --part=rest "*) echo "rest half ran: $*"; exit "$REST_RC" ;;
+  *" --part=e2e "*) part=e2e; rc=$E2E_RC ;;
+  *" --part=rest "*) part=rest; rc=$REST_RC ;;
+  *) echo "no part given: $*"; exit 3 ;;
 esac
-echo "no part given: $*"; exit 3
+echo "$part half ran: $*"
+# Whether Ctrl-C reaches it: SIGINT's bit (2) in the mask of signals ignored.
+case $(grep '^SigIgn:' /proc/$$/status) in
+  *[2367abef]) echo "$part half's SIGINT: ignored" ;;
+  *) echo "$part half's SIGINT: taken" ;;
+esac
+exit "$rc"
 """
 
 
@@ -158,6 +166,29 @@ echo "no part given: $*"; exit 3
 def test_the_halves_exit_codes_decide_as_one_run(
     tmp_path: Path, e2e_rc: int, rest_rc: int, passes: bool
 ) -> None:
+    returncode, said = make_parts(tmp_path, e2e_rc, rest_rc)
+    assert (returncode == 0) == passes, said
+    # Both halves ran with the arguments given; the e2e half's output is printed after.
+    assert "rest half ran: --ignore=tests/helm --part=rest -k x" in said
+    tail = said.split(f"--- tests/e2e, run beside the rest (exit code {e2e_rc})")[1]
+    assert "e2e half ran: --ignore=tests/helm --part=e2e -k x" in tail
+
+
+@pytest.mark.skipif(MAKE is None, reason="no make")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc")
+def test_ctrl_c_reaches_the_half_in_the_background(tmp_path: Path) -> None:
+    """A shell starts its background jobs with SIGINT ignored: Ctrl-C, sent to
+    make's process group, would stop the rest only, and make would wait on the
+    e2e half for minutes. It takes SIGINT as the half in the foreground does
+    (both ignore it only where this test's make was started ignoring it)."""
+    returncode, said = make_parts(tmp_path, 0, 0)
+    assert returncode == 0, said
+    rest = re.findall(r"rest half's SIGINT: (\w+)", said)
+    assert rest and re.findall(r"e2e half's SIGINT: (\w+)", said) == rest, said
+
+
+def make_parts(tmp_path: Path, e2e_rc: int, rest_rc: int) -> tuple[int, str]:
+    """The real make's pytest-parts with FAKE_PYTEST: its exit code and output."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "pytest"
@@ -181,9 +212,4 @@ def test_the_halves_exit_codes_decide_as_one_run(
         check=False,
         env={**os.environ, "E2E_RC": str(e2e_rc), "REST_RC": str(rest_rc)},
     )
-    said = done.stdout + done.stderr
-    assert (done.returncode == 0) == passes, said
-    # Both halves ran with the arguments given; the e2e half's output is printed after.
-    assert "rest half ran: --ignore=tests/helm --part=rest -k x" in said
-    tail = said.split(f"--- tests/e2e, run beside the rest (exit code {e2e_rc})")[1]
-    assert "e2e half ran: --ignore=tests/helm --part=e2e -k x" in tail
+    return done.returncode, done.stdout + done.stderr
