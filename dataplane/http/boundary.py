@@ -425,6 +425,11 @@ def _record(
         # values without bound), the access line its code when it gave one.
         error = str(status)
         logged = _origin_error(request, ex) or error
+    elif error and error.isdigit():
+        # The same for a stream whose head went out before its origin's error
+        # answer (reply.into_held records its status): a held stream refused
+        # with a code per request made a duration histogram per request.
+        logged = _origin_error(request, ex) or error
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)

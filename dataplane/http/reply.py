@@ -921,7 +921,9 @@ async def held_failed(
     error object, as the client would have had it in a JSON body) as its
     in-band error event (and `[DONE]`, in a chat or completions stream), as
     a cut stream ends: the status was sent, and was 200. `recorded`: the
-    error the access log and the metrics give it (ex.stream_error)."""
+    error the access log and the metrics give it (ex.stream_error); an
+    origin's status (digits) stands for its error answer, whose code the
+    access log gives instead (boundary._record)."""
     ex.stream_error = recorded
     # No chunk of an answer: no time-to-first-chunk sample (review 314: a
     # stream no origin answered went into the TTFT histogram at the time
@@ -951,7 +953,8 @@ async def into_held(
     while its origin thought: a stream's frames (an origin that ignored
     `stream`) follow the head; an error's JSON becomes the stream's error
     event (`held_failed`), recorded by its status as an origin's error
-    answer is. Returns `out`, as the response the handler sent."""
+    answer is (its status for the metrics, its code for the access log:
+    boundary._record). Returns `out`, as the response the handler sent."""
     body = answer.body
     assert isinstance(body, bytes)
     if answer.status < 300 and answer.content_type == "text/event-stream":
@@ -968,5 +971,5 @@ async def into_held(
             error = {"message": UPSTREAM_REFUSED, "type": "upstream_error"}
         error.setdefault("param", None)
         error.setdefault("code", None)
-        await held_failed(ex, out, error, ex.origin_error or str(answer.status))
+        await held_failed(ex, out, error, str(answer.status))
     return out

@@ -195,6 +195,32 @@ async def test_a_whole_answer_after_the_head_follows_it_as_the_stream(
         assert text_of(events) == text and not any("error" in e for e in events)
 
 
+async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_the_metric(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An origin's error answer to a stream whose head went out: its code is
+    the access line's error, as for any origin's error answer, and the GenAI
+    metrics' error_type is its status (trial 96: each held stream an origin
+    refused with a code of its own, one per request, made a duration
+    histogram's 20 series)."""
+
+    async def refuses(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"error": {"message": "no", "type": "invalid_request_error", "code": "req_1f2e3d"}},
+            status=400,
+        )
+
+    p = await proxy([(Origin(refuses), False)], idle="30", extra=HOLD_AT_ONCE)
+    capfd.readouterr()
+    resp = await p.client.post("/v1/chat/completions", json=ASK)
+    assert resp.status == 200
+    frames = frames_of((await resp.read()).decode())
+    assert json.loads(frames[-2][6:])["error"]["code"] == "req_1f2e3d"
+    line = await access_line(p, capfd)
+    assert (line["status"], line["error"]) == (200, "req_1f2e3d")
+    assert operations(p) == {("400", "r0"): 1}
+
+
 async def test_a_stream_answered_within_the_hold_has_its_origins_head(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
