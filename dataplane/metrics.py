@@ -38,7 +38,13 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -144,6 +150,9 @@ class _Family(Collector, Generic[CellT]):
         self._name = name
         self._doc = documentation
         self._labelnames = list(labelnames)
+        # The label values' indexes in the order the text format writes
+        # them (generate_latest's: by label name), for `render`.
+        self._order = sorted(range(len(self._labelnames)), key=self._labelnames.__getitem__)
         self._cells: dict[tuple[str, ...], CellT] = {}
         if not self._labelnames:
             self._cells[()] = self._new_cell()  # exported from the start, as usual
@@ -165,6 +174,16 @@ class _Family(Collector, Generic[CellT]):
 
     def describe(self) -> Iterator[Metric]:
         yield self._empty()
+
+    def render(self, out: list[str]) -> None:
+        """Append the family's text exposition to `out`, as generate_latest
+        writes what `collect` gives (`exposition`)."""
+        raise NotImplementedError
+
+    def _pairs(self, values: tuple[str, ...]) -> list[str]:
+        """A series' `name="value"` pairs, sorted by name."""
+        names = self._labelnames
+        return [f'{names[i]}="{_escaped(values[i])}"' for i in self._order]
 
     def forget(self, kept: Callable[[tuple[str, ...]], bool]) -> list[tuple[str, ...]]:
         """Drop the series whose label values `kept` refuses (their counts
@@ -211,6 +230,14 @@ class Counter(_Family[CounterCell]):
             family.add_metric(list(values), cell.value)
         yield family
 
+    def render(self, out: list[str]) -> None:
+        name = self._name + "_total"
+        _head(out, name, self._doc, "counter")
+        for values, cell in list(self._cells.items()):
+            labels = ",".join(self._pairs(values))
+            braced = f"{{{labels}}}" if labels else ""
+            out.append(f"{name}{braced} {_number(cell.value)}\n")
+
 
 class Histogram(_Family[HistogramCell]):
     """A labelled histogram with fixed buckets (`le` is inclusive, as Prometheus says)."""
@@ -220,6 +247,9 @@ class Histogram(_Family[HistogramCell]):
         buckets: Sequence[float], registry: CollectorRegistry,
     ) -> None:  # fmt: skip
         self._bounds = tuple(float(b) for b in buckets if not math.isinf(b))
+        self._les = [*(_le(b) for b in self._bounds), "+Inf"]
+        # Where `le` goes among the labels sorted by name.
+        self._le_at = sum(1 for n in labelnames if n < "le")
         super().__init__(name, documentation, labelnames, registry)
 
     def _new_cell(self) -> HistogramCell:
@@ -248,6 +278,64 @@ class Histogram(_Family[HistogramCell]):
                 buckets.append((le, float(cumulative)))
             family.add_metric(list(values), buckets, cell.sum)
         yield family
+
+    def render(self, out: list[str]) -> None:
+        name = self._name
+        _head(out, name, self._doc, "histogram")
+        at = self._le_at
+        for values, cell in list(self._cells.items()):
+            pairs = self._pairs(values)
+            before, after = ",".join(pairs[:at]), ",".join(pairs[at:])
+            bucket = f'{name}_bucket{{{before}{"," if before else ""}le="'
+            rest = f'"{"," if after else ""}{after}}} '
+            cumulative = 0
+            for le, count in zip(self._les, cell.counts, strict=True):
+                cumulative += count
+                out.append(f"{bucket}{le}{rest}{_number(cumulative)}\n")
+            labels = f"{{{before}{',' if before and after else ''}{after}}}" if pairs else ""
+            out.append(f"{name}_count{labels} {_number(cumulative)}\n")
+            out.append(f"{name}_sum{labels} {_number(cell.sum)}\n")
+
+
+def _escaped(value: str) -> str:
+    """A label value as the text format writes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    """A sample's value as prometheus_client writes it (floatToGoString): a
+    whole number from 1 to a million (0 for a bucket's count) is its digits
+    and ".0", without the call."""
+    if type(value) is int:  # a bucket's count
+        if 0 <= value < 1_000_000:
+            return f"{value}.0"
+    elif value.is_integer() and 1 <= value < 1_000_000:
+        return f"{int(value)}.0"
+    spelled: str = floatToGoString(value)  # type: ignore[no-untyped-call]
+    return spelled
+
+
+def _head(out: list[str], name: str, doc: str, kind: str) -> None:
+    help_text = doc.replace("\\", "\\\\").replace("\n", "\\n")
+    out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry's text exposition, what generate_latest gives, byte for
+    byte: this module's families write theirs themselves (`render`), the
+    other collectors through generate_latest. With a key label on the
+    tenants' series, 2,000 keys are some 20,000 series a process, which
+    generate_latest wrote at 77,000 instructions each (it checks and escapes
+    every label name of every sample): 1.8 billion instructions a scrape,
+    a second in which the process's event loop served nothing (trial 96)."""
+    out: list[str] = []
+    # The registry's collectors in its order, as its collect() takes them.
+    for collector in list(registry._collector_to_names):
+        if isinstance(collector, _Family):
+            collector.render(out)
+        else:
+            out.append(generate_latest(collector).decode())
+    return "".join(out).encode()
 
 
 class TenantsUnavailable(Collector):

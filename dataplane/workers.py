@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -81,13 +82,20 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # ---------------------------------------------------------------- metrics merge
 
 
+# Where a sample line's metric name ends (a name holds no brace nor blank):
+# one search, not a generator over the name's characters, which took half
+# of a 2-worker group's merge of 2,000 keys' series, 46,000 lines (trial 96).
+_NAME_END = re.compile(r"[{ \t]")
+
+
 def with_label(line: str, name: str, value: str) -> str:
     """A sample line of the text exposition format with one more label, first.
 
     Only the metric name is looked at: label values (which may hold braces or
     spaces) are left as they are.
     """
-    cut = next((i for i, ch in enumerate(line) if ch in "{ \t"), len(line))
+    found = _NAME_END.search(line)
+    cut = len(line) if found is None else found.start()
     metric, rest = line[:cut], line[cut:]
     label = f'{name}="{value}"'
     if rest.startswith("{"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from dataplane import jsonio
 from dataplane.http.errors import (
@@ -17,6 +17,7 @@ from dataplane.http.errors import (
 )
 from dataplane.http.pipeline import authenticate_waiting, refuse_suspended, sole_authorization
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
+from dataplane.metrics import exposition
 
 
 async def _callable_models(request: web.Request) -> list[str]:
@@ -157,7 +158,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[METRICS].registry)
+    data = exposition(request.app[METRICS].registry)
     return web.Response(body=data, headers={"content-type": CONTENT_TYPE_LATEST})
 
 
