@@ -72,7 +72,8 @@ Routes:
 * ``GET /metrics`` -- Prometheus text, per ``model_name`` under vLLM's names:
   gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
   ``vllm:kv_cache_usage_perc`` (0..1, the blocks requests under way hold,
-  their prompt and answer from prefill to their end, over the capacity, 0
+  their prompt and answer from prefill to their end, a prefix they share
+  counted once, over the capacity, 0
   without a cache: as vLLM v1 counts blocks cached but unused free, an idle
   replica reads 0 whatever prefixes it keeps; the replica's one cache, so
   equal for every model; also as vLLM v0's ``vllm:gpu_cache_usage_perc``),
@@ -519,8 +520,12 @@ class SimState:
         self.config = config
         self.stats = SimStats()
         self.kv_cache = BlockCache(config.kv_cache_tokens, config.kv_block_tokens)
-        # KV blocks the requests under way hold (`hold_blocks`).
-        self.held_blocks = 0
+        # KV blocks the requests under way hold (`hold_blocks`): their full
+        # prompt blocks by hash -> how many hold each (shared, as vLLM shares
+        # a cached prefix's blocks between the requests that use it), and
+        # the rest, each request's own.
+        self._held_shared: dict[int, int] = {}
+        self._held_own = 0
         self.metrics = SimMetrics(config.models, self.kv_usage)
         self.rng = random.Random(config.seed)  # noqa: S311 -- fault dice, not cryptography
         self.started = int(time.time())
@@ -576,19 +581,34 @@ class SimState:
         counts a cached block no request uses as free (it is evicted when
         one is needed), so an idle replica reads 0 with its prefixes kept."""
         capacity = self.kv_cache.capacity_blocks
-        return min(self.held_blocks, capacity) / capacity if capacity else 0.0
+        held = len(self._held_shared) + self._held_own
+        return min(held, capacity) / capacity if capacity else 0.0
 
     @contextlib.contextmanager
-    def hold_blocks(self, tokens: int) -> Iterator[None]:
+    def hold_blocks(self, hashes: Sequence[int], tokens: int) -> Iterator[None]:
         """Count the blocks of a request's ``tokens`` (prompt and answer) held
-        for the duration of the block; nothing without a cache."""
+        for the duration of the block; nothing without a cache. Its full
+        prompt blocks (``hashes``, from :func:`block_hashes`) count once
+        however many requests under way hold them, as vLLM's shared prefix
+        blocks do; its partial prompt block and answer blocks are its own."""
+        if not self.kv_cache.capacity_blocks:
+            yield
+            return
         size = self.kv_cache.block_tokens
-        blocks = -(-tokens // size) if self.kv_cache.capacity_blocks else 0
-        self.held_blocks += blocks
+        own = max(0, -(-tokens // size) - len(hashes))
+        shared = self._held_shared
+        for h in hashes:
+            shared[h] = shared.get(h, 0) + 1
+        self._held_own += own
         try:
             yield
         finally:
-            self.held_blocks -= blocks
+            self._held_own -= own
+            for h in hashes:
+                if shared[h] == 1:
+                    del shared[h]
+                else:
+                    shared[h] -= 1
 
     async def prefill(
         self, model: str, hashes: Sequence[int], prompt_tokens: int, rate: float
@@ -1532,7 +1552,7 @@ async def _generate(
             async with state.occupy(job.model):
                 # Its blocks are held from its prefill to its end, the
                 # answer's a little early (vLLM allocates those as it decodes).
-                with state.hold_blocks(job.prompt_tokens + len(pieces)):
+                with state.hold_blocks(job.block_hashes, job.prompt_tokens + len(pieces)):
                     cached = await state.prefill(
                         job.model, job.block_hashes, job.prompt_tokens, config.prefill_tokens_per_s
                     )

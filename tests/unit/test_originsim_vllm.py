@@ -341,6 +341,39 @@ async def test_kv_usage_is_the_blocks_requests_under_way_hold(make_client: MakeC
     await usage_becomes(0.0)
 
 
+async def test_requests_under_way_share_the_blocks_of_their_common_prefix(
+    make_client: MakeClient,
+) -> None:
+    """Review: each request counted its whole prompt, so requests sharing a
+    system prompt counted its blocks once each, where vLLM's requests share
+    one copy of a cached prefix. Full prompt blocks count once; each one's
+    partial block and answer are its own."""
+    client = await make_client(kv_cache_tokens=32_000, tokens_per_s=50)  # 2,000 blocks
+    messages = conversation("hello")
+    _, answer = await chat(client, messages, max_tokens=2)
+    n = answer["usage"]["prompt_tokens"]
+    assert n >= 32  # two full blocks at least, to be shared
+    kv = 'vllm:kv_cache_usage_perc{model_name="sim-small"}'
+
+    async def usage_becomes(expected: float) -> None:
+        for _ in range(400):
+            if (await metrics(client))[kv] == pytest.approx(expected):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"KV-cache usage never read {expected}")
+
+    body = {"model": "sim-small", "messages": messages, "max_tokens": 1000, "stream": True}
+    own = -(-(n + 1000) // 16) - n // 16  # the partial prompt block and the answer's
+    first = await client.post(CHAT, data=orjson.dumps(body))
+    await usage_becomes((n // 16 + own) / 2000)
+    second = await client.post(CHAT, data=orjson.dumps(body))
+    await usage_becomes((n // 16 + 2 * own) / 2000)
+    first.close()  # the prefix stays held by the second
+    await usage_becomes((n // 16 + own) / 2000)
+    second.close()
+    await usage_becomes(0.0)
+
+
 async def test_prefill_seconds_follow_uncached_tokens(make_client: MakeClient) -> None:
     rate = 1e6  # a microsecond per token keeps the real waits tiny
     client = await make_client(kv_cache_tokens=100_000, prefill_tokens_per_s=rate)
