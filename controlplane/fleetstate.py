@@ -34,7 +34,12 @@ def replica_silent_s(
     unknown_why takes them); None while it renews. A replica ends a
     proxy's registration when its route stream ends, so a listed proxy's
     stream is open unless its replica is silent (hung or dead: its keys
-    stay until its lease ends)."""
+    stay until its lease ends). Limits, each bounded: a registration waits
+    up to registry.STREAM_GRACE for its stream; one whose delete failed
+    (etcd away) stays until the replica's next self-check; a dead peer's
+    stream ends at gRPC's keepalive (grpcconn); and a replica restarted
+    under the same --id (the chart's pod name) renews while its last
+    process's keys wait out that one's lease."""
     # A replica not listed is not judged by it: its proxies' keys are under
     # its lease, so one whose lease ended has none listed either.
     replica = replicas.get(p.control_plane_id)
