@@ -64,9 +64,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     restart etcd on its port: a connection had it; a connection to a port in
     that range with nothing listening can even connect to itself).
     """
-    low = _ephemeral_low()
+    low, high = port_range()
     for _ in range(200):
-        port = random.randrange(_OWN_PORTS_LOW, low)  # noqa: S311 (not a secret)
+        port = random.randrange(low, high)  # noqa: S311 (not a secret)
         if port in _reserved or port in _given:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -82,7 +82,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
     # Not port 0's: the kernel picks from the ephemeral range, which free_port
     # exists to keep out of (review 279).
-    raise DevEnvError(f"no free port from {_OWN_PORTS_LOW} to {low - 1} on {host} in 200 tries")
+    raise DevEnvError(f"no free port from {low} to {high - 1} on {host} in 200 tries")
+
+
+# A process tree's own share of free_port's range, "LOW-HIGH" (both included,
+# clamped to the range): `make test` runs two pytest processes side by side,
+# and each hands ports to servers it starts later (etcd, proxies, the demo), so
+# the other could take one between the pick and the bind. tests/conftest.py
+# gives each half its own share; children inherit it through the environment.
+FREE_PORTS_ENV = "PONTO_FREE_PORTS"
+
+
+def port_range() -> tuple[int, int]:
+    """free_port's range as (first, past the last): from _OWN_PORTS_LOW to the
+    ephemeral range, narrowed by FREE_PORTS_ENV when it names a part of it
+    (a malformed or disjoint value is ignored)."""
+    low, high = _OWN_PORTS_LOW, _ephemeral_low()
+    first, _, last = os.environ.get(FREE_PORTS_ENV, "").partition("-")
+    try:
+        share = max(low, int(first)), min(high, int(last) + 1)
+    except ValueError:
+        return low, high
+    return share if share[0] < share[1] else (low, high)
 
 
 # Ports below this are left to services people run on their machines.

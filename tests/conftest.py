@@ -17,17 +17,20 @@ import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
 
 from dataplane.http.refusals import refusals
 from ponto.devenv import (
+    FREE_PORTS_ENV,
     DevEnvError,
     Etcd,
     EtcdServerTls,
     Redis,
     find_redis,
+    port_range,
     start_etcd,
     start_redis,
 )
@@ -60,6 +63,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With --part, this half's servers take ports from its own half of
+    free_port's range (ponto.devenv.FREE_PORTS_ENV), so that the other half,
+    running beside it, cannot take a port picked but not yet listened on."""
+    part = config.getoption("part")
+    if part is not None:
+        first, last = part_share(part, *port_range())
+        os.environ[FREE_PORTS_ENV] = f"{first}-{last}"
+
+
+def part_share(part: str, low: int, high: int) -> tuple[int, int]:
+    """The ports, first and last, of free_port's range [low, high) that a half
+    of `make test` takes: the lower half for e2e, the upper for the rest."""
+    middle = (low + high) // 2
+    return (low, middle - 1) if part == "e2e" else (middle, high - 1)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """With --part, what lies in the other part is never collected (nor
     imported); directories leading to tests/e2e are walked for --part=e2e."""
@@ -87,6 +107,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With --part, pytest's last-failed list (`--lf`) is written with the
+    other half's entries as that half saved them, not as they were when this
+    one started: each half writes the whole list as it ends, and the half that
+    ended last would otherwise drop the other's new failures."""
+    config = session.config
+    part = config.getoption("part")
+    lf = config.pluginmanager.get_plugin("lfplugin")
+    if part is None or lf is None or config.cache is None:
+        return
+    saved = config.cache.get("cache/lastfailed", {})
+
+    def ours(nodeid: str) -> bool:
+        return _in_e2e(config.rootpath / nodeid.partition("::")[0]) == (part == "e2e")
+
+    take_others_as_saved(lf.lastfailed, saved, ours)
+
+
+def take_others_as_saved(
+    current: dict[Any, bool], saved: Mapping[str, bool], ours: Callable[[str], bool]
+) -> None:
+    """Keeps `current`'s entries for which `ours(node id)` holds and replaces
+    the rest by `saved`'s (in place: pytest writes `current` after this)."""
+    for nodeid in [k for k in current if not ours(str(k))]:
+        del current[nodeid]
+    current.update((k, v) for k, v in saved.items() if not ours(k))
 
 
 def _in_e2e(path: Path) -> bool:

@@ -9,6 +9,7 @@ import pytest
 from ponto import devenv
 from ponto.devenv import _ephemeral_low, free_port
 from ponto.fleet import _own_port
+from tests.conftest import part_share
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_can_be_listened_on() -> None:
@@ -72,3 +73,36 @@ def test_a_fleet_member_on_port_0_gets_a_port_below_the_ephemeral_range(
     else:
         host, _, port = got.rpartition(":")
         assert host == listen.rpartition(":")[0] and 20000 <= int(port) < _ephemeral_low()
+
+
+@pytest.mark.parametrize(
+    ("given", "share"),
+    [
+        ("21000-21009", (21000, 21010)),
+        ("10000-20005", (20000, 20006)),  # clamped to the range
+        ("31000-99999", (31000, None)),  # up to the ephemeral range
+        ("25000-24000", None),  # empty: ignored
+        ("5000-6000", None),  # disjoint: ignored
+        ("", None),
+        ("21000", None),
+        ("a-b", None),
+    ],
+)
+def test_a_process_trees_share_narrows_the_range(
+    monkeypatch: pytest.MonkeyPatch, given: str, share: tuple[int, int | None] | None
+) -> None:
+    """`make test`'s two halves each pick from their own share (tests/conftest.py)."""
+    monkeypatch.setenv(devenv.FREE_PORTS_ENV, given)
+    low = _ephemeral_low()
+    expected = (20000, low) if share is None else (share[0], share[1] or low)
+    assert devenv.port_range() == expected
+    monkeypatch.setattr(devenv, "_given", {})
+    picks = {free_port() for _ in range(min(20, expected[1] - expected[0]))}
+    assert all(expected[0] <= p < expected[1] for p in picks)
+
+
+def test_the_halves_of_make_test_share_the_range_without_meeting() -> None:
+    e2e, rest = part_share("e2e", 20000, 32768), part_share("rest", 20000, 32768)
+    assert e2e == (20000, 26383) and rest == (26384, 32767)
+    assert part_share("e2e", 20000, 20002) == (20000, 20000)
+    assert part_share("rest", 20000, 20002) == (20001, 20001)

@@ -19,6 +19,7 @@ from typing import cast
 
 import pytest
 
+from ponto import devenv
 from tests import conftest
 from tests.helm.test_chart import ROOT
 
@@ -213,3 +214,36 @@ def make_parts(tmp_path: Path, e2e_rc: int, rest_rc: int) -> tuple[int, str]:
         env={**os.environ, "E2E_RC": str(e2e_rc), "REST_RC": str(rest_rc)},
     )
     return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("part", ["e2e", "rest"])
+def test_each_half_takes_its_own_share_of_ports(monkeypatch: pytest.MonkeyPatch, part: str) -> None:
+    # Set, so that monkeypatch restores it after pytest_configure's change
+    # (an empty value narrows nothing).
+    monkeypatch.setenv(devenv.FREE_PORTS_ENV, "")
+    low, high = devenv.port_range()
+    conftest.pytest_configure(cast(pytest.Config, Options(part)))
+    first, last = conftest.part_share(part, low, high)
+    assert os.environ[devenv.FREE_PORTS_ENV] == f"{first}-{last}"
+    assert devenv.port_range() == (first, last + 1)
+
+
+def test_without_a_part_the_ports_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(devenv.FREE_PORTS_ENV, "")
+    conftest.pytest_configure(cast(pytest.Config, Options(None)))
+    assert os.environ[devenv.FREE_PORTS_ENV] == ""
+
+
+def test_the_last_failed_list_keeps_what_the_other_half_saved() -> None:
+    """Run side by side, each half writes pytest's whole last-failed list as
+    it ends: the other half's entries are taken from what is saved now."""
+    current = {
+        "tests/e2e/test_a.py::t": True,  # ours, still failing
+        "tests/unit/test_b.py::old": True,  # the other half's, when we started
+    }
+    saved = {
+        "tests/e2e/test_a.py::gone": True,  # ours as it was: ours decides
+        "tests/unit/test_b.py::new": True,  # the other half failed it meanwhile
+    }
+    conftest.take_others_as_saved(current, saved, lambda n: n.startswith("tests/e2e/"))
+    assert current == {"tests/e2e/test_a.py::t": True, "tests/unit/test_b.py::new": True}
