@@ -23,6 +23,8 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
+from operator import itemgetter
 from typing import Any, Final
 
 from dataplane import jsonio
@@ -539,7 +541,25 @@ class StreamRecorder:
         made for each)."""
         like = self._like if self.reason is None and not self._done else None
         size, bound, kept = self._size, self._max_bytes, self._chunks
-        for payload in payloads:
+        at, count = 0, len(payloads)
+        tried = False  # one run a call: each try slices every payload left
+        while at < count:
+            if like is not None and not like[4] and count - at > 1 and not tried:
+                # A run of chunks like the last kept, told at once (a read of
+                # many events: an origin that sends several a read, nginx).
+                tried = True
+                run = _like_run(payloads, at, like[0], like[1])
+                if run:
+                    taken = payloads[at : at + run]
+                    grown = size + sum(map(len, taken)) + CHUNK_OVERHEAD * run
+                    # Past the bound, one by one below: it fails where `_keep` would.
+                    if bound is None or grown <= bound:
+                        kept += taken
+                        size = grown
+                        at += run
+                        continue
+            payload = payloads[at]
+            at += 1
             if like is not None:
                 # As in `read` (which says why), for unnamed events: an empty
                 # one, or [DONE], has not `head`, and goes to `_record`.
@@ -701,6 +721,36 @@ def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int, bool] | None:
     if value - len(_OBFUSCATION) > end and _last_string(payload, value):
         return payload[:start], payload[end:value], start, value - end, True
     return payload[:start], payload[end:], start, len(payload) - end, False
+
+
+def _like_run(payloads: list[bytes], at: int, head: bytes, tail: bytes) -> int:
+    """How many of `payloads` from `at` on, in a row, are each `head`, a JSON
+    string's body without `\\u` escapes (`_TEXT_BODY`) and `tail`, UTF-8:
+    what StreamRecorder.datas's test of each tells, told by C calls over
+    them all (0 when it cannot tell: they go one by one), not bytecode and a
+    regex call each.
+
+    Their bodies are checked joined by a plain byte (`a`): one that ends
+    inside an escape makes `\\a` of it, which fails, so the join passes only
+    when each does. `head` and `tail` are a kept chunk's, UTF-8 (it was
+    parsed) and ASCII where they meet the text (a quote): a payload is
+    UTF-8 when its text is, and the texts when their join is."""
+    rest = payloads[at:] if at else payloads
+    ends = (head, tail)
+    # Searches are no help here: a long needle made of what the payloads
+    # repeat costs bytes.split more than these slices.
+    heads = map(itemgetter(slice(len(head))), rest)
+    pairs = zip(heads, map(itemgetter(slice(-len(tail), None)), rest), strict=True)
+    run = len(list(takewhile(ends.__eq__, pairs)))
+    if not run:
+        return 0
+    taken = rest[:run] if run < len(rest) else rest
+    if min(map(len, taken)) < len(head) + len(tail):  # a head and tail that overlap
+        return 0
+    texts = b"a".join(map(itemgetter(slice(len(head), -len(tail))), taken))
+    if _TEXT_BODY.fullmatch(texts) is None or not (texts.isascii() or _utf8(texts)):
+        return 0
+    return run
 
 
 # What a chunk of OpenAI's ends with: its `obfuscation` member, a string.

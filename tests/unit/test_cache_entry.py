@@ -1018,6 +1018,43 @@ def test_chunks_that_differ_in_their_text_alone_are_not_parsed(
     assert parsed == [_ROLE, texts[0], texts[3], _LAST]
 
 
+# Runs of chunks next to each other, as StreamRecorder.datas tells a run of
+# chunks like the last kept at once: a text that ends inside an escape and
+# one that would end it, a character's UTF-8 cut across two texts, a chunk
+# whose text's quotes are one (its head and tail overlap), and _TEXTS' each.
+_RUNS = [
+    [_TEXT % b"back\\", _TEXT % b"nb"],
+    [_TEXT % b"caf\xc3", _TEXT % b"\xa9"],
+    [_TEXT % b"a\\\\", _TEXT % b"n"],
+    [_TEXT % b"x", (_TEXT % b"").replace(b'"content":""', b'"content":"')],
+    *([_TEXT % text, _TEXT % b"after"] for text in _TEXTS),
+]
+
+
+@pytest.mark.parametrize("run", _RUNS)
+@pytest.mark.parametrize("max_bytes", [None, 1200])
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_read_of_chunks_like_the_last_kept_is_kept_as_parsed(
+    run: list[bytes], max_bytes: int | None, whole: bool
+) -> None:
+    # One read's plain events: the role chunk, the chunk the others are like,
+    # a run of them holding `run`, a chunk like none and the last (or, not
+    # `whole`, the stream ends with the run); a max_bytes that the run passes.
+    other = _TEXT.replace(b'"index":0', b'"index":0,"logprobs":null') % b"other"
+    payloads = [_ROLE, _TEXT % b"first", _TEXT % b"second", _TEXT % b"more", *run]
+    payloads += [_TEXT % b"most", other, _LAST] if whole else [_TEXT % b"most"]
+    by_datas = StreamRecorder(store_truncated=True, max_bytes=max_bytes)
+    by_datas.datas(payloads)
+    parsed = StreamRecorder(store_truncated=True, max_bytes=max_bytes)
+    for data in payloads:
+        parsed.event(Event(data))
+        parsed._like = None  # the next chunk is parsed
+    if whole:
+        for recorder in (by_datas, parsed):
+            recorder.event(Event(b"[DONE]"))
+    assert _entry_of(by_datas) == _entry_of(parsed)
+
+
 # OpenAI's chunks: a null usage, then an `obfuscation` string that differs
 # in each (its value after the text's).
 def _openai(payload: bytes, value: bytes) -> bytes:
