@@ -9,12 +9,16 @@ Two kinds of key decide where a request goes inside a region:
   a hash of the conversation's stable start: its system prompt and first user
   turn, which every later step of an agent loop resends unchanged.
 * A **prefix key** gathers prompts that share a long start (one tenant's
-  system prompt and tools) on few replicas. It is used for the first turn of
-  a conversation without an explicit session key whose system prompt and
+  system prompt and tools) on few replicas. It is used for the turns of a
+  conversation without an explicit session key whose system prompt and
   tools are at least `PREFIX_MIN_TOKENS` long and longer than its first
   question: a short question after a long shared preamble gains more from the
-  preamble's cache than from any session. Later turns of that conversation
-  follow its session key (they resend the first turn, which is theirs alone).
+  preamble's cache than from any session. Every turn of such a conversation
+  carries both: the preamble's key ranks the replicas, and the conversation's
+  (the hash of its preamble and first question, which every turn resends)
+  picks among the first few, so its later turns stay where its first turn
+  found the preamble, while the conversations of one preamble spread over
+  those few replicas rather than all gather on one (trial 95).
 
 Tokens are approximated as `CHARS_PER_TOKEN` characters (no tokenizer runs at
 the edge), and a prefix is cut to whole blocks of `BLOCK_TOKENS` so a preamble
@@ -63,6 +67,10 @@ class Key:
     value: int
     kind: str  # "affinity" (a session) or "prefix" (a shared start)
     source: str  # prompt_cache_key, header, user, conversation, prefix
+    # A prefix key's conversation, which picks among the replicas the prefix
+    # ranks first (dataplane.placement.picker.PREFIX_SPREAD); None: the
+    # prefix alone places the request (a bare prompt has no conversation).
+    within: int | None = None
 
 
 def placement_key(
@@ -127,18 +135,14 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
         return None
     stable: list[str] = []  # leading system/developer messages, then tools
     first_user: str | None = None
-    later_turns = False
     for message in messages:
         if not isinstance(message, dict):
             continue
         role = message.get("role")
-        if first_user is None:
-            if role in ("system", "developer"):
-                stable.append(_content_text(message.get("content")))
-            elif role == "user":
-                first_user = _content_text(message.get("content"))
-        elif role != "user":
-            later_turns = True
+        if role in ("system", "developer"):
+            stable.append(_content_text(message.get("content")))
+        elif role == "user":
+            first_user = _content_text(message.get("content"))
             break
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
@@ -157,19 +161,18 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
         return Key(crc, "affinity", "conversation")
     length = sum(map(len, stable)) + len(stable)
     question = first_user or ""
-    # A first turn whose shared preamble outweighs its question gains most
-    # from the preamble's cache; a long first question is a session's own.
-    if (
-        not later_turns
-        and length >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN
-        and length >= len(question)
-    ):
-        return _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))))
-    if not stable and first_user is None:
-        return None
     data = f"{tenant}\0c\0{length}\0".encode()
     crc = zlib.crc32(_head(stable, HASH_CHARS).encode(errors="surrogatepass"), zlib.crc32(data))
     crc = zlib.crc32(question[:HASH_CHARS].encode(errors="surrogatepass"), crc)
+    # A conversation whose shared preamble outweighs its first question gains
+    # most from the preamble's cache: every turn of it, the first and the
+    # later ones alike (all resend the preamble and the first question), is
+    # placed by the preamble among a few replicas and by the conversation
+    # within them (Key.within); a long first question is a session's own.
+    if length >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN and length >= len(question):
+        key = _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))))
+        key.within = crc
+        return key
     return Key(crc, "affinity", "conversation")
 
 

@@ -56,6 +56,14 @@ MODES: Final = frozenset({AFFINITY, LEAST_LOADED, WEIGHTED})
 # still the fastest there, chats at high load finding fewer KV hits (0.68
 # against 0.76) but a shorter tail.
 DEFAULT_LOAD_BOUND: Final = 1.05
+# How many of a preamble's first-ranked origins its conversations spread
+# over (Key.within). 1 gathers every turn of a preamble's conversations on
+# one replica until its load bound; more prefill the preamble on more
+# replicas. Trial 95's fleet modelled (bench/chat_placement.py, docs/routing.md
+# "Session and prefix keys"): at 2, second turns found 91-97 % of their tokens
+# cached (48-51 % when later turns followed their session key alone), at 3
+# first turns found 51-55 % (62-74 % at 2).
+PREFIX_SPREAD: Final = 2
 # An origin that states no capacity counts as full at this many requests: a
 # key does not leave a replica that is merely busier than an idle neighbour.
 UNKNOWN_CAPACITY: Final = 4
@@ -164,6 +172,8 @@ class Picker:
         if len(group) == 1:
             return [group[0]], key.kind
         order = ranked(group, key.value)
+        if key.within is not None:
+            order = _within(order, key.within)
         load = self.loads.load
         factor = self.loads.speeds.factor  # 1.0: as fast as its group's typical
         first = order[0]
@@ -215,6 +225,16 @@ class Picker:
         rand = self._rand
         # Efraimidis-Spirakis: each origin leads with probability weight/sum.
         return sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
+
+
+def _within(order: list[Target], key: int) -> list[Target]:
+    """A prefix's ranking with its first PREFIX_SPREAD origins in the
+    conversation's (`key`) rendezvous order: a two-level rendezvous, by which
+    every turn of a conversation ranks one of its preamble's first origins
+    first, the conversations of a preamble spread over them by weight, and
+    only their keys move when one of them leaves the group."""
+    spread_over = min(PREFIX_SPREAD, len(order))
+    return [*ranked(order[:spread_over], key), *order[spread_over:]]
 
 
 def _slowed(load: float, slowness: float) -> float:

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from dataplane.placement.picker import PREFIX_SPREAD
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -134,14 +135,19 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
     def question(i: int) -> list[dict[str, str]]:
         return [{"role": "system", "content": PREAMBLE}, *user(f"question {i}?")]
 
-    # One at a time: every question after the shared preamble goes to one replica.
-    alone = [ask(fleet, "p0", question(i)) for i in range(6)]
-    assert len({replica(r) for r in alone}) == 1
+    # One at a time: the conversations after the shared preamble go to the
+    # PREFIX_SPREAD replicas it ranks first, each conversation to one of them
+    # from any proxy, its later turns too.
+    alone = [ask(fleet, "p0", question(i)) for i in range(12)]
+    homes = {replica(r) for r in alone}
+    assert len(homes) == PREFIX_SPREAD, homes
     assert {r.headers["x-ponto-route"] for r in alone} == {"prefix"}
-    home = replica(alone[0])
+    for i, first in enumerate(alone[:4]):
+        later = [*question(i), {"role": "assistant", "content": "an answer"}, *user("more?")]
+        assert replica(ask(fleet, PROXIES[i % len(PROXIES)], later)) == replica(first)
 
-    # Sixteen at once on one proxy: the replica fills to its capacity (2)
-    # and its bounded share, and the rest spill to the prefix's next replicas.
+    # Sixteen at once on one proxy: those replicas fill to their capacity (2)
+    # and their bounded share, and the rest spill to the prefix's next ones.
     with ThreadPoolExecutor(16) as pool:
         burst = list(
             pool.map(lambda i: ask(fleet, "p0", question(100 + i), delay_ms=1500), range(16))
@@ -149,7 +155,7 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
     where = Counter(replica(r) for r in burst)
     reasons = Counter(r.headers["x-ponto-route"] for r in burst)
     assert len(where) >= 3, where
-    assert where[home] <= 8, where
+    assert all(where[home] <= 8 for home in homes), where
     assert reasons["load"] >= 4, reasons
 
 

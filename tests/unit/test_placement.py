@@ -21,6 +21,7 @@ from dataplane.placement.picker import (
     AFFINITY,
     DEFAULT_LOAD_BOUND,
     LEAST_LOADED,
+    PREFIX_SPREAD,
     WEIGHTED,
     Picker,
     RoutingRules,
@@ -156,18 +157,22 @@ def test_every_step_of_an_agent_loop_has_the_conversation_key() -> None:
     assert other_task.value != first.value
 
 
-def test_a_long_shared_preamble_keys_first_turns_by_prefix() -> None:
+def test_a_long_shared_preamble_keys_every_turn_by_prefix_and_conversation() -> None:
     a = key_of(chat(("system", LONG), ("user", "What are your hours?")))
     b = key_of(chat(("system", LONG), ("user", "Where is my order?")))
     assert a.kind == b.kind == "prefix"
-    assert a == b
+    assert a.value == b.value  # one preamble
+    assert a.within is not None and b.within is not None and a.within != b.within
     # The unfinished last block does not matter: vLLM caches whole blocks.
     cut = len(LONG) - len(LONG) % BLOCK_CHARS
     c = key_of(chat(("system", LONG[:cut] + "x"), ("user", "?")))
-    assert c == a
-    # A later turn follows the conversation instead.
-    later = key_of(chat(("system", LONG), ("user", "Hi"), ("assistant", "Hello")))
-    assert later.kind == "affinity"
+    assert c.value == a.value
+    # Later turns resend the preamble and the first question: the same keys
+    # as the first turn, whatever came after.
+    turns = [("system", LONG), ("user", "What are your hours?")]
+    for i in range(3):
+        turns += [("assistant", f"answer {i}"), ("user", f"and question {i}?")]
+        assert key_of(chat(*turns)) == a
 
 
 def test_a_short_preamble_or_a_long_question_is_a_session() -> None:
@@ -183,7 +188,7 @@ def test_tools_are_part_of_the_preamble() -> None:
     ]
     a = key_of(chat(("user", "q1"), tools=tools))
     b = key_of(chat(("user", "q2"), tools=tools))
-    assert a.kind == "prefix" and a == b
+    assert a.kind == "prefix" and a.value == b.value
 
 
 def test_completions_and_embeddings_key_by_the_prompt_start() -> None:
@@ -269,6 +274,51 @@ def test_bounded_loads_spread_a_hot_key_when_every_replica_is_busy() -> None:
     used = [t.name for t in ranked(GROUP, key.value) if placed[t.name]]
     assert used == [t.name for t in ranked(GROUP, key.value)][: len(used)]
     assert len(used) >= 6
+
+
+def test_conversations_of_a_preamble_spread_over_its_first_ranks_by_weight() -> None:
+    """Two-level rendezvous: the preamble's ranking, its first PREFIX_SPREAD
+    origins reordered by the conversation; the same from any picker."""
+    group = (*GROUP[:4], target("big", weight=300))
+    prefix = 77
+    first_ranks = ranked(group, prefix)[:PREFIX_SPREAD]
+    placed: Counter[str] = Counter()
+    for conversation in range(4_000):
+        key = Key(prefix, "prefix", "prefix", within=conversation * 7919)
+        order, why = Picker(LoadBoard()).order([group], AFFINITY, key)
+        again, _ = Picker(LoadBoard()).order([group], AFFINITY, key)
+        assert order == again  # stateless: any proxy places it alike
+        assert why == "prefix"
+        assert sorted(t.name for t in order) == sorted(t.name for t in group)
+        assert order[PREFIX_SPREAD:] == ranked(group, prefix)[PREFIX_SPREAD:]
+        placed[order[0].name] += 1
+    assert set(placed) == {t.name for t in first_ranks}
+    weights = sum(t.weight for t in first_ranks)
+    for t in first_ranks:
+        assert abs(placed[t.name] / 4_000 - t.weight / weights) < 0.05
+    # Without a conversation, the preamble alone places it.
+    alone, _ = Picker(LoadBoard()).order([group], AFFINITY, Key(prefix, "prefix", "prefix"))
+    assert alone == ranked(group, prefix)
+
+
+def test_a_preambles_conversations_stay_under_the_load_bound() -> None:
+    loads = LoadBoard()
+    picker = Picker(loads)
+    placed: Counter[str] = Counter()
+    for conversation in range(200):  # 200 turns of one preamble, none finishing
+        key = Key(99, "prefix", "prefix", within=conversation * 104729)
+        order, _ = picker.order([GROUP], AFFINITY, key)
+        loads.started(order[0].name)
+        placed[order[0].name] += 1
+    assert max(placed.values()) <= DEFAULT_LOAD_BOUND * 200 / 8 + 1
+    assert len(placed) == 8
+    # Under its capacities, a turn keeps its conversation's replica.
+    loads = LoadBoard()
+    key = Key(99, "prefix", "prefix", within=5)
+    home = Picker(loads).order([GROUP], AFFINITY, key)[0][0]
+    for _ in range(home.capacity - 1):
+        loads.started(home.name)
+    assert Picker(loads).order([GROUP], AFFINITY, key)[0][0] is home
 
 
 def test_least_loaded_and_weighted_modes() -> None:
