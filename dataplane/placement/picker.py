@@ -62,7 +62,7 @@ DEFAULT_LOAD_BOUND: Final = 1.05
 # replicas. Trial 95's fleet modelled (bench/chat_placement.py, docs/routing.md
 # "Session and prefix keys"): at 2, second turns found 91-97 % of their tokens
 # cached (48-51 % when later turns followed their session key alone), at 3
-# first turns found 51-55 % (62-74 % at 2).
+# first turns found 51-55 % (58-62 % at 2, 71-74 % at 1).
 PREFIX_SPREAD: Final = 2
 # An origin that states no capacity counts as full at this many requests: a
 # key does not leave a replica that is merely busier than an idle neighbour.
