@@ -889,9 +889,9 @@ async def test_a_stream_no_origin_started_in_time_says_so(
 # ------------------------------------------- streams stalled on an unhealthy origin
 
 
-def hanging_origin(started: asyncio.Event, *, trickle: int = 0) -> Origin:
+def hanging_origin(started: asyncio.Event, *, trickle: int = 0, gap: float = 0.03) -> Origin:
     """Sends "Hello", then hangs (as a wedged GPU); with `trickle`, sends that
-    many more chunks 30 ms apart instead and ends the answer itself."""
+    many more chunks `gap` seconds apart instead and ends the answer itself."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         out = await sse(request)
@@ -901,7 +901,7 @@ def hanging_origin(started: asyncio.Event, *, trickle: int = 0) -> Origin:
         if not trickle:
             await asyncio.sleep(30)
         for _ in range(trickle):
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(gap)
             await out.write(event("first", "."))
         await out.write(event("first", finish="stop") + b"data: [DONE]\n\n")
         return out
@@ -1042,17 +1042,19 @@ async def test_without_continuation_it_ends_with_the_error_event_as_soon(
 async def test_a_stream_still_flowing_from_an_unhealthy_origin_is_left_alone(
     proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
-    """Probes can be wrong: chunks 30 ms apart under a cap of 3 s go on to the end.
+    """Probes can be wrong: chunks 0.3 s apart under a cap of 3 s go on to the end.
 
-    The cap is a hundred gaps long, not a few: origin, proxy and client share
-    this process, and on a loaded machine the process can wait for the CPU
-    longer than a tight cap, which then expires before the chunk already sent
-    is read (and the stream is rightly cut). It costs no time: no gap reaches it."""
+    The cap is ten gaps long, not a few: origin, proxy and client share this
+    process, and on a loaded machine the process can wait for the CPU longer
+    than a tight cap, which then expires before the chunk already sent is read
+    (and the stream is rightly cut). The stream (3.6 s from the mark) outlasts
+    the cap, so a cap counted from the mark rather than from the last chunk
+    cuts it."""
     started = asyncio.Event()
-    a, b = hanging_origin(started, trickle=8), await second_origin()
+    a, b = hanging_origin(started, trickle=12, gap=0.3), await second_origin()
     p = await proxy([(a, True), (b, True)], idle="60", extra=["--unhealthy-stream-idle-timeout=3"])
     chunks, raw = await stream_while(p, started, "o0")
-    assert text_of(chunks) == "Hello" + "." * 8
+    assert text_of(chunks) == "Hello" + "." * 12
     assert "continued" not in raw and not b.bodies
 
 
