@@ -29,6 +29,7 @@ CHUNK = (
     + b'"},"finish_reason":null}]}\n\n'
 )
 STEADY_TIMEOUT_S = 3
+STEADY_PAUSE_S = 0.008
 STREAM = json.dumps(
     {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "go on"}]}
 ).encode()
@@ -148,12 +149,14 @@ async def test_a_client_that_reads_a_big_whole_answer_slowly_but_steadily_is_not
     start: Start,
 ) -> None:
     # The timeout is between two takes of the client, not for the whole drain:
-    # a 12 MB whole answer read in reads of at most 8 KB (the receive buffer),
-    # 4 ms apart, takes longer than the timeout to drain, and is not cut, since
-    # the client never stops for long. The timeout is 3 s, some 700 reads, not
-    # 1 s: client and proxy share this process, which on a loaded machine can
-    # wait a second for the CPU, and a look at the client's progress then comes
-    # before the read it was waiting for.
+    # a 12 MB whole answer read in reads of at most 16 KB, 8 ms apart, takes
+    # twice the timeout to drain, and is not cut, since the client never stops
+    # for long. The timeout is 3 s, not 1 s: client and proxy share this
+    # process, which on a loaded machine can wait a second for the CPU, and a
+    # look at the client's progress then comes before the read it was waiting
+    # for. Twice, not just over: the proxy's write waits only for the part of
+    # the answer the kernel's buffers do not hold (some 10 MB), and that wait
+    # must outlast the timeout for a bound over the whole drain to cut it.
     origin = Origin(size=12 << 20)  # a 12 MB whole answer (an embeddings batch, say)
     edge = await start(origin, f"--send-timeout={STEADY_TIMEOUT_S}")
     reader, writer = await edge.connect(rcvbuf=4096)
@@ -168,11 +171,11 @@ async def test_a_client_that_reads_a_big_whole_answer_slowly_but_steadily_is_not
             while received < size and (chunk := await reader.read(16 << 10)):
                 received += len(chunk)
                 reads += 1
-                await asyncio.sleep(0.004)
+                await asyncio.sleep(STEADY_PAUSE_S)
     finally:
         writer.close()
-    # The reads' own pauses alone outlast the timeout: the drain was long.
-    assert reads * 0.004 > STEADY_TIMEOUT_S
+    # The reads' own pauses alone outlast the timeout twice: the drain was long.
+    assert reads * STEADY_PAUSE_S > 2 * STEADY_TIMEOUT_S
     assert received == size
     assert (count(edge, "200"), count(edge, "499")) == (1, 0)
 
