@@ -1198,7 +1198,14 @@ async def _inject_faults(request: web.Request, state: SimState) -> web.StreamRes
         await asyncio.sleep(delay_ms / 1000)
     hold = request.headers.get("x-sim-hold")
     if hold is not None:
-        await state.hold(_hold_name(hold, "x-sim-hold")).wait()
+        gate = state.hold(_hold_name(hold, "x-sim-hold"))
+        try:
+            # Watched: a client gone while held ends its wait at once, not at
+            # a release that may never come.
+            with state.watch.guard(request):
+                await gate.wait()
+        except ConnectionError:
+            return _DroppedResponse()
     drop = request.headers.get("x-sim-drop")
     if drop is not None:
         if drop.strip().lower() != "before":

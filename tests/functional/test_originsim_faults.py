@@ -338,3 +338,24 @@ def test_cli_rejects_bad_fault_flags(argv: list[str], capsys: pytest.CaptureFixt
         main(argv)
     assert exc_info.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+async def test_disconnect_while_held_ends_the_request(make_client: MakeClient) -> None:
+    """A held request whose client left ends then, not at a release that may
+    never come."""
+    client = await make_client()
+    held = asyncio.create_task(client.post(CHAT, data=chat_body(), headers={"x-sim-hold": "h"}))
+    for _ in range(200):
+        if (await (await client.get("/sim/stats")).json())["requests"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    dropped = 'ponto_sim_requests_total{endpoint="/v1/chat/completions",status="dropped"}'
+    cancelled = dropped.replace("dropped", "cancelled")
+    for _ in range(200):
+        if await metric(client, dropped) + await metric(client, cancelled) == 1.0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the held request outlived its client")
