@@ -95,7 +95,9 @@ Per-request fault headers (inference API only), applied in this order:
 * ``x-sim-delay-ms: N`` -- wait N ms before anything else (before headers).
 * ``x-sim-hold: NAME`` -- then wait until ``POST /sim/release?name=NAME``
   (at once if it came first): a request kept in flight exactly as long as a
-  test needs, however slowly a loaded machine runs the rest.
+  test needs, however slowly a loaded machine runs the rest. Names are kept
+  for the app's life, at most ``HOLD_NAMES_MAX`` (1000); a new one past that
+  is a 400. A held request whose client leaves ends then.
 * ``x-sim-drop: before`` -- close the connection without sending a response.
 * ``x-sim-fail: STATUS`` -- answer STATUS (400-599) with an OpenAI error body.
 * ``x-sim-cut-after: N`` -- on a stream, send N ``data:`` events, then close the
@@ -539,8 +541,22 @@ class SimState:
         self._holds: dict[str, asyncio.Event] = {}
 
     def hold(self, name: str) -> asyncio.Event:
-        """The gate of the requests held under ``name``; set once released."""
-        return self._holds.setdefault(name, asyncio.Event())
+        """The gate of the requests held under ``name``; set once released.
+
+        Raises :class:`_ApiError` (400) for a new name past ``HOLD_NAMES_MAX``:
+        names are kept for good (a release may come first), so a client naming
+        new ones without end would grow them without bound.
+        """
+        gate = self._holds.get(name)
+        if gate is None:
+            if len(self._holds) >= HOLD_NAMES_MAX:
+                raise _ApiError(
+                    400,
+                    f"Too many x-sim-hold names (at most {HOLD_NAMES_MAX}).",
+                    code="invalid_sim_hold",
+                )
+            gate = self._holds[name] = asyncio.Event()
+        return gate
 
     def store(self, stored: _Stored) -> None:
         """Keep a response, dropping the oldest past ``store_responses``."""
@@ -1177,6 +1193,7 @@ def _header_int(request: web.Request, name: str, low: int, high: int) -> int | N
 
 
 HOLD_NAME_MAX = 100
+HOLD_NAMES_MAX = 1000
 
 
 def _hold_name(raw: str, param: str) -> str:
@@ -1871,7 +1888,11 @@ async def _release(request: web.Request) -> web.StreamResponse:
         name = _hold_name(request.query.get("name", ""), "name")
     except _ApiError as exc:
         return exc.response()
-    request.config_dict[SIM_STATE].hold(name).set()
+    try:
+        gate = request.config_dict[SIM_STATE].hold(name)
+    except _ApiError as exc:
+        return exc.response()
+    gate.set()
     return _json({"released": name})
 
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from ponto.originsim import SIM_STATE, SimConfig, build_app
+from ponto.originsim import app as originsim_app
 from ponto.originsim.__main__ import main
 
 SimClient = TestClient[web.Request, web.Application]
@@ -697,3 +698,15 @@ async def test_a_hold_needs_a_name(client: SimClient) -> None:
     assert (resp.status, (await resp.json())["error"]["code"]) == (400, "invalid_sim_hold")
     resp = await client.post("/sim/release")
     assert (resp.status, (await resp.json())["error"]["param"]) == (400, "name")
+
+
+async def test_hold_names_are_bounded(client: SimClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Kept for good (a release may come first): new ones past the bound are refused.
+    monkeypatch.setattr(originsim_app, "HOLD_NAMES_MAX", 2)
+    for name in ("a", "b", "a"):
+        assert (await client.post(f"/sim/release?name={name}")).status == 200
+    resp = await client.post("/sim/release?name=c")
+    assert (resp.status, (await resp.json())["error"]["code"]) == (400, "invalid_sim_hold")
+    resp = await client.post(CHAT, data=orjson.dumps(chat_body()), headers={"x-sim-hold": "d"})
+    assert (resp.status, (await resp.json())["error"]["code"]) == (400, "invalid_sim_hold")
+    await post_json(client, CHAT, chat_body(), headers={"x-sim-hold": "b"})
