@@ -249,20 +249,24 @@ def canonical_request(
     that have no canonical form.
     """
     params: dict[str, Any] = {}
-    # Which chat texts a request keys as sent (`texts_as_sent`): None, the
-    # final message's ("final") or every message's ("all").
-    as_sent: str | None = None
+    # Whether the body names a parameter texts_as_sent reads, told in the
+    # loop among the few names it reads apart: a body naming none (most)
+    # pays neither texts_as_sent's reads nor a test of its own (each was
+    # 1,000 to 2,000 instructions a key: callgrind on a loop of a chat key).
+    names_as_sent = False
+    # A chat request's messages as sent, None when it has none to key.
+    chat_messages: Any = None
     for name in sorted(body):
         value = body[name]
         if name == "stream_options" and (usage_in_chunks := _continuous_usage(value)):
             params[name] = usage_in_chunks
             continue
-        if (
-            name in NON_AFFECTING
-            or value is None
-            or (name in _DEFAULTS and _is_default(name, value))
-        ):
+        if name in NON_AFFECTING or value is None:
             continue
+        if name in _READ_APART:
+            if _is_default(name, value):
+                continue
+            names_as_sent = names_as_sent or name in _AS_SENT_PARAMS
         # _canon's answer for the usual scalars (max_tokens, temperature 0,
         # a user), without its call: some 700 instructions each, a few per
         # request (callgrind on a loop of a chat request's key).
@@ -271,26 +275,30 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            # A set test in C first: most bodies name none of the parameters
-            # (a call of texts_as_sent was some 2,000 instructions a key).
-            if not _AS_SENT_PARAMS.isdisjoint(body):
-                as_sent = texts_as_sent(body)
-            if as_sent is None:
-                params[name] = _canon_messages(value)
-            elif as_sent == "all":
-                params[name] = _canon(value)
-            else:
-                params[name] = _canon_messages(value, exact_last=True)
+            chat_messages = value
+            # Keyed below when the body names a parameter texts_as_sent reads.
+            params[name] = value if names_as_sent else _canon_messages(value)
         else:
             params[name] = _canon(value)
     # Built in its keys' sorted order (JSON keeps insertion order), so no sort.
     doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
-    if as_sent is not None:
-        # Every such request's key moves, so an entry an older proxy keyed
-        # with those texts normalised (perhaps another text's answer, in the
-        # region's Redis) is never found; no other key moves, so no
-        # KEY_VERSION bump empties every cache.
-        doc["exact_text"] = as_sent
+    if names_as_sent and chat_messages is not None:
+        # Here, once every parameter is seen: prompt_logprobs sorts after
+        # the messages, so they may have been keyed normalised above.
+        as_sent = texts_as_sent(body)
+        if as_sent is None:
+            params["messages"] = _canon_messages(chat_messages)
+        else:
+            params["messages"] = (
+                _canon(chat_messages)
+                if as_sent == "all"
+                else _canon_messages_final_as_sent(chat_messages)
+            )
+            # Every such request's key moves, so an entry an older proxy
+            # keyed with those texts normalised (perhaps another text's
+            # answer, in the region's Redis) is never found; no other key
+            # moves, so no KEY_VERSION bump empties every cache.
+            doc["exact_text"] = as_sent
     if headers:
         # Only when there are any, so the common key stays as it is.
         lowered = {k.lower(): v for k, v in headers.items()}
@@ -357,6 +365,11 @@ def texts_as_sent(body: Mapping[str, Any]) -> str | None:
 # frameworks send, missed the entry of a request without it). Compared with
 # their JSON types: `"logprobs": 0` and `"n": true` are other values.
 _DEFAULTS: Final = {"logprobs": False, "n": 1, "echo": False}
+
+
+# The names canonical_request reads apart, one test a parameter for both: a
+# dict, whose test of a str is some 40 instructions cheaper than a set's.
+_READ_APART: Final = dict.fromkeys([*_DEFAULTS, *_AS_SENT_PARAMS])
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -553,13 +566,10 @@ def _text_of_part(part: Any) -> str | None:
     return None
 
 
-def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
-    """The messages as keyed: each turn's text normalised, but for the last
-    turn's when `exact_last` (`texts_as_sent`), kept as sent."""
+def _canon_messages(messages: Any) -> Any:
+    """The messages as keyed: each turn's text normalised."""
     if not isinstance(messages, list):
         return _canon(messages)
-    if exact_last and messages:
-        return [*_canon_messages(messages[:-1]), _canon(messages[-1])]
     out: list[Any] = []
     for m in messages:
         if type(m) is dict and len(m) == 2:
@@ -575,6 +585,15 @@ def _canon_messages(messages: Any, *, exact_last: bool = False) -> Any:
         # through the ABC machinery, in Python, for every message).
         out.append(_canon_message(m) if isinstance(m, (dict, Mapping)) else _canon(m))
     return out
+
+
+def _canon_messages_final_as_sent(messages: Any) -> Any:
+    """The messages as keyed, but for the last turn's text, kept as sent
+    (`texts_as_sent`: "final"). Apart from _canon_messages, whose every call
+    (the key's, context_hash's) a keyword would slow."""
+    if isinstance(messages, list) and messages:
+        return [*_canon_messages(messages[:-1]), _canon(messages[-1])]
+    return _canon_messages(messages)
 
 
 def _canon_message(message: Mapping[str, Any], *, drop_text: bool = False) -> dict[str, Any]:
