@@ -335,7 +335,13 @@ def _continuous_usage(stream_options: Any) -> dict[str, Any] | None:
 
 # The parameters texts_as_sent reads.
 _AS_SENT_PARAMS: Final = frozenset(
-    {"prompt_logprobs", "continue_final_message", "add_generation_prompt", "echo"}
+    {
+        "prompt_logprobs",
+        "continue_final_message",
+        "add_generation_prompt",
+        "echo",
+        "chat_template_kwargs",
+    }
 )
 
 
@@ -347,13 +353,28 @@ def texts_as_sent(body: Mapping[str, Any]) -> str | None:
     `add_generation_prompt: false`: no assistant header after it) or repeats
     it at its start (chat `echo`); else None. Keyed normalised, a trailing or
     doubled space was another request's answer (trial 97: "Sure:" continued
-    with the answer to "Sure: ", which lacks its leading space)."""
+    with the answer to "Sure: ", which lacks its leading space).
+
+    Read as vLLM reads them, or more widely: chat `echo` is not checked by
+    the proxy and vLLM takes 1 or "yes" for true, so any value but false is
+    an echo; and `chat_template_kwargs` goes to the template over the
+    top-level two, so an `add_generation_prompt` there other than true, or
+    a `continue_final_message` other than false, is one too. A wider reading
+    only splits keys (a missed hit); a narrower one shared a key between
+    "Dear  Sir," and "Dear Sir," echoed."""
     if body.get("prompt_logprobs") is not None:
         return "all"
+    echo = body.get("echo")
     if (
         body.get("continue_final_message") is True
         or body.get("add_generation_prompt") is False
-        or body.get("echo") is True
+        or (echo is not None and echo is not False)
+    ):
+        return "final"
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, Mapping) and (
+        ("add_generation_prompt" in kwargs and kwargs["add_generation_prompt"] is not True)
+        or kwargs.get("continue_final_message") not in (None, False)
     ):
         return "final"
     return None

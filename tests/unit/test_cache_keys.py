@@ -653,6 +653,36 @@ def test_the_final_message_an_answer_goes_on_from_or_repeats_is_exact() -> None:
     assert "exact_text" not in doc(prefill("Sure:"))
 
 
+def test_the_final_message_is_exact_under_what_vllm_reads_as_those_flags() -> None:
+    """Chat `echo` is not checked by the proxy, and vLLM reads 1 or "yes" as
+    true; `chat_template_kwargs` reaches the template over the top-level
+    flags. Read narrowly, "Dear  Sir," echoed shared a key with "Dear Sir,"."""
+
+    def letter(text: str, **params: Any) -> dict[str, Any]:
+        return chat(messages=[{"role": "assistant", "content": text}], **params)
+
+    split: tuple[dict[str, Any], ...] = (
+        {"echo": 1},
+        {"echo": "yes"},
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        # The template's own test: 0 and null are false to it.
+        {"chat_template_kwargs": {"add_generation_prompt": 0}},
+        {"chat_template_kwargs": {"continue_final_message": True}},
+        {"chat_template_kwargs": {"continue_final_message": "true"}},
+    )
+    for params in split:
+        assert key(letter("Dear  Sir,", **params)) != key(letter("Dear Sir,", **params)), params
+    shared: tuple[dict[str, Any], ...] = (
+        {"echo": False},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template_kwargs": {"add_generation_prompt": True}},
+        {"chat_template_kwargs": {"continue_final_message": False}},
+        {"chat_template_kwargs": None},
+    )
+    for params in shared:
+        assert key(letter("Dear  Sir,", **params)) == key(letter("Dear Sir,", **params)), params
+
+
 def test_every_message_is_exact_when_the_answer_lists_the_prompts_tokens() -> None:
     """vLLM's `prompt_logprobs` answers with the logprob of every token of
     the prompt, whitespace's too, so no message may be normalised."""
