@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -1053,6 +1054,68 @@ def test_a_read_of_chunks_like_the_last_kept_is_kept_as_parsed(
         for recorder in (by_datas, parsed):
             recorder.event(Event(b"[DONE]"))
     assert _entry_of(by_datas) == _entry_of(parsed)
+
+
+# Pieces of a chunk's text: escapes cut at either end, the join's byte `a`,
+# UTF-8 cut across two, quotes and control bytes, a key's bytes.
+_PIECES = [b"", b"a", b"\\", b"\\\\", b"\\n", b"n", b"\\u00", b"\\u00e9", b"00e9", b'"', b"\t",
+           b"\n", b"\x00", b"\x7f", b"\xc3", b"\xa9", b"\xff", b"\xed\xa0\x80", b"\\x", b"/",
+           b'"},"finish_reason":"length"}],"x":{"a":"']  # fmt: skip
+# What a chunk of a run may differ in before its text (an index, a role,
+# logprobs, its id) or after it (its finish or none, usage, a tool call,
+# spacing), or a text whose quotes are one (its head and tail overlap).
+_CHANGES = [(b'"index":0', b'"index":1'), (b'"delta":{', b'"delta":{"role":"user",'),
+            (b'"index":0', b'"index":0,"logprobs":null'), (b'"id":"c"', b'"id":"ca"'),
+            (b'"finish_reason":null', b'"finish_reason":"length"'), (b"]}", b"] }"),
+            (b',"finish_reason":null', b""), (b'"index":0', b'"index":2'),
+            (b"]}", b'],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'),
+            (b'"}', b'","tool_calls":[{"index":0,"id":"t","function":{"name":"f"}}]}'),
+            (b'"content":""', b'"content":"')]  # fmt: skip
+
+
+def _fuzzed_text(rng: random.Random) -> bytes:
+    # Plain but for a piece at either end now and then, so that most runs
+    # hold none or one: a run is told at once only when each of it passes.
+    text = b"plain a"[: rng.randint(0, 7)]
+    if rng.random() < 0.12:
+        piece = rng.choice(_PIECES)
+        text = text + piece if rng.random() < 0.5 else piece + text
+    return text
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_reads_of_fuzzed_chunks_are_kept_as_parsed(seed: int) -> None:
+    # Streams cut into reads at random, with a max_bytes met exactly at a
+    # read's end, one byte short of it or over it: `datas` keeps and refuses
+    # what the chunks parsed one by one do.
+    rng = random.Random(seed)
+    payloads = [_ROLE]
+    for _ in range(rng.randint(2, 40)):
+        payload = _TEXT % _fuzzed_text(rng)
+        if rng.random() < 0.1:
+            payload = payload.replace(*rng.choice(_CHANGES), 1)
+        payloads.append(payload)
+    if seed % 5:
+        payloads.append(_LAST)  # or the stream ends inside a run
+    ends = [0]
+    while ends[-1] < len(payloads):
+        ends.append(min(len(payloads), ends[-1] + rng.choice([2, 4, 8, 16, len(payloads)])))
+    max_bytes: int | None = None
+    if seed % 4:
+        kept = sum(len(p) + CHUNK_OVERHEAD for p in payloads[: rng.choice(ends[1:])])
+        max_bytes = ENTRY_OVERHEAD + kept + rng.choice([-1, 0, 1])
+    store_truncated = seed % 3 == 0
+    by_datas = StreamRecorder(store_truncated=store_truncated, max_bytes=max_bytes)
+    parsed = StreamRecorder(store_truncated=store_truncated, max_bytes=max_bytes)
+    for start, end in itertools.pairwise(ends):
+        by_datas.datas(payloads[start:end])
+        for data in payloads[start:end]:
+            parsed.event(Event(data))
+            parsed._like = None  # the next chunk is parsed
+    for recorder in (by_datas, parsed):
+        recorder.event(Event(b"[DONE]"))
+    got, want = by_datas.finish(now=NOW), parsed.finish(now=NOW)
+    assert (by_datas.reason, by_datas.too_large, got) == (parsed.reason, parsed.too_large, want)
 
 
 # OpenAI's chunks: a null usage, then an `obfuscation` string that differs
