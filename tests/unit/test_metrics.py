@@ -351,3 +351,25 @@ def test_the_exposition_is_generate_latests_byte_for_byte() -> None:
     m.slot_waits.labels("admitted").inc()
 
     assert _without_process(rendered(m.registry)) == _without_process(generate_latest(m.registry))
+
+
+def test_the_exposition_is_generate_latests_for_any_family_and_value() -> None:
+    """What the proxy's families do not hold today but a family may (review
+    413): custom buckets, `le` among label names on both of its sides, a
+    bucket's count of a million and more (written 1e+06), a help text to
+    escape, values the format spells NaN, +Inf, -Inf or -0.0, label values
+    with a newline or non-ASCII, a family with no series yet (its HELP and
+    TYPE only), and another collector between the proxy's own."""
+    registry = CollectorRegistry()
+    h = Histogram("h", "a\\b\nc", ("z", "a"), buckets=(2.5e-5, 1, 1e7), registry=registry)
+    h.labels("ü", 'q"').counts[1] += 999_999
+    h.labels("ü", 'q"').counts[2] += 1  # cumulative 1,000,000 from here
+    h.observe_at(float("nan"), "x\ny", "y")
+    prometheus_client.Gauge("g", "theirs, between ours", registry=registry).set(2.0)
+    c = Counter("c", "ü", ("model",), registry=registry)
+    for value in (float("inf"), float("-inf"), 1e-300, 123456789.0, 999_999.0, 1e6):
+        c.labels(repr(value)).inc(value)
+    c.labels("-0.0").value = -0.0
+    Counter("unused", "no series", ("k",), registry=registry)
+
+    assert rendered(registry) == generate_latest(registry)
