@@ -419,6 +419,7 @@ def _record(
     if not error and ex is not None:
         error = ex.stream_error
     logged = error
+    answered = status  # what excused_here judges: an origin's own, for a held stream
     if not error and status >= 400:
         # An origin's own error answer: the metrics' error type is its status
         # (an origin's codes are its own to choose, and would make label
@@ -429,7 +430,10 @@ def _record(
         # The same for a stream whose head went out before its origin's error
         # answer (reply.into_held records its status): a held stream refused
         # with a code per request made a duration histogram per request.
+        # Its status is the origin's, not the 200 its client had: a 400 an
+        # origin gave a held stream's bad prompt is excused as any other's is.
         logged = _origin_error(request, ex) or error
+        answered = int(error)
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)
@@ -452,7 +456,7 @@ def _record(
             # fewer on the usual request.
             chunk_gap(ex, finished, error) if ex.stream else None,
             refused=bool(error) and refused_here(ex, status, error),
-            excused=bool(error) and excused_here(ex, status, error),
+            excused=bool(error) and excused_here(ex, answered, error),
         )
     if access is not None and access.sampled(logged, endpoint):
         _access_line(

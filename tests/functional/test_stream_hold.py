@@ -202,7 +202,8 @@ async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_
     the access line's error, as for any origin's error answer, and the GenAI
     metrics' error_type is its status (trial 96: each held stream an origin
     refused with a code of its own, one per request, made a duration
-    histogram's 20 series)."""
+    histogram's 20 series), excused as that status is (review 413: its 400
+    read as its region failing)."""
 
     async def refuses(request: web.Request) -> web.StreamResponse:
         return web.json_response(
@@ -219,6 +220,8 @@ async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_
     line = await access_line(p, capfd)
     assert (line["status"], line["error"]) == (200, "req_1f2e3d")
     assert operations(p) == {("400", "r0"): 1}
+    # The client's bad request, not its region's failure, as when not held.
+    assert p.app[METRICS].excused == {"r0": 1}
 
 
 async def test_a_stream_answered_within_the_hold_has_its_origins_head(
