@@ -175,6 +175,25 @@ def test_a_long_shared_preamble_keys_every_turn_by_prefix_and_conversation() -> 
         assert key_of(chat(*turns)) == a
 
 
+def test_what_follows_the_first_question_leaves_a_prefix_keyed_turn_in_place() -> None:
+    """Statelessness: a later turn's keys come from what every turn resends
+    (the preamble, the first question), never from what came after it."""
+    start: list[dict[str, Any]] = [
+        {"role": "system", "content": LONG},
+        {"role": "user", "content": "What are your hours?"},
+    ]
+    first = key_of({"model": "m", "messages": start})
+    later = [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "9 to 5"},
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "developer", "content": "Be polite."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]},
+    ]
+    for n in range(1, len(later) + 1):
+        assert key_of({"model": "m", "messages": [*start, *later[:n]]}) == first
+
+
 def test_a_short_preamble_or_a_long_question_is_a_session() -> None:
     assert key_of(chat(("system", "Be brief."), ("user", "q"))).kind == "affinity"
     long_question = "x" * (len(LONG) * 2)
@@ -299,6 +318,26 @@ def test_conversations_of_a_preamble_spread_over_its_first_ranks_by_weight() -> 
     # Without a conversation, the preamble alone places it.
     alone, _ = Picker(LoadBoard()).order([group], AFFINITY, Key(prefix, "prefix", "prefix"))
     assert alone == ranked(group, prefix)
+
+
+def test_a_conversation_orders_its_preambles_first_ranks_as_ranked_does() -> None:
+    """The conversation's order of the two is ranked()'s, whether the picker
+    takes its shortcut for equal weights or not, so a weight that changes a
+    little moves few conversations."""
+    rng = random.Random(415)
+    for _ in range(2_000):
+        weights = rng.choice([(100,) * 4, (100, 100, 7, 300), (1, 2, 3, 4)])
+        group = tuple(
+            Target(f"o{i}", "r1", "http://o/v1", w, capacity=8, seed=rng.getrandbits(64))
+            for i, w in enumerate(weights)
+        )
+        prefix, conversation = rng.getrandbits(32), rng.getrandbits(32)
+        by_prefix = ranked(group, prefix)
+        order, _ = Picker(LoadBoard()).order(
+            [group], AFFINITY, Key(prefix, "prefix", "prefix", within=conversation)
+        )
+        spread = by_prefix[:PREFIX_SPREAD]
+        assert order == [*ranked(spread, conversation), *by_prefix[PREFIX_SPREAD:]]
 
 
 def test_a_preambles_conversations_stay_under_the_load_bound() -> None:
