@@ -231,8 +231,11 @@ def _within(order: list[Target], key: int) -> list[Target]:
     """A prefix's ranking with its first PREFIX_SPREAD origins in the
     conversation's (`key`) rendezvous order: a two-level rendezvous, by which
     every turn of a conversation ranks one of its preamble's first origins
-    first, the conversations of a preamble spread over them by weight, and
-    only their keys move when one of them leaves the group."""
+    first, and the conversations of a preamble spread over them by weight.
+    When one of them leaves the group, its conversations move, and so do
+    about a third of the other's (equal weights), to the origin the preamble ranked next,
+    which is now one of its first two (a single level moves only the
+    leaver's keys)."""
     first, second = order[0], order[1]  # groups of one are placed before
     if PREFIX_SPREAD == 2 and first.weight == second.weight:
         # ranked() of the two, without its general case's cost (some 18,000
