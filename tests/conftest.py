@@ -121,9 +121,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if part is None or lf is None or config.cache is None:
         return
     saved = config.cache.get("cache/lastfailed", {})
+    e2e: bool = part == "e2e"
 
     def ours(nodeid: str) -> bool:
-        return _in_e2e(config.rootpath / nodeid.partition("::")[0]) == (part == "e2e")
+        return _in_e2e(config.rootpath / nodeid.partition("::")[0]) == e2e
 
     take_others_as_saved(lf.lastfailed, saved, ours)
 
