@@ -120,9 +120,15 @@ def _session(tenant: str, kind: str, value: str, source: str) -> Key:
     return Key(zlib.crc32(data), "affinity", source)
 
 
-def _prefix(tenant: str, text: str) -> Key:
+def _prefix(tenant: str, text: str, question: bytes | None = None) -> Key:
+    """The key of a shared start; with a conversation's first `question`, its
+    `within` is the question chained onto the start's CRC-32: the start is not
+    hashed twice (CRC-32 of its 4,096 characters costs some 20,000
+    instructions)."""
     data = f"{tenant}\0p\0".encode() + text[:HASH_CHARS].encode(errors="surrogatepass")
-    return Key(zlib.crc32(data), "prefix", "prefix")
+    value = zlib.crc32(data)
+    within = None if question is None else zlib.crc32(question, value)
+    return Key(value, "prefix", "prefix", within)
 
 
 def _aligned(chars: int) -> int:
@@ -168,12 +174,7 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
     # placed by the preamble among a few replicas and by the conversation
     # within them (Key.within); a long first question is a session's own.
     if length >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN and length >= len(question):
-        key = _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))))
-        # The question chained onto the preamble's key: the preamble is not
-        # hashed twice (CRC-32 of its 4,096 characters costs some 20,000
-        # instructions here).
-        key.within = zlib.crc32(question_bytes, key.value)
-        return key
+        return _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))), question_bytes)
     data = f"{tenant}\0c\0{length}\0".encode()
     crc = zlib.crc32(_head(stable, HASH_CHARS).encode(errors="surrogatepass"), zlib.crc32(data))
     return Key(zlib.crc32(question_bytes, crc), "affinity", "conversation")
