@@ -175,7 +175,7 @@ _SAMPLING: dict[str, list[object]] = {
     "top_p": ["x", -0.1, 1.1, False],
     "n": ["2", 0, -1, 1.5, True, 129],
     "max_tokens": ["10", -1, 1.5, True, []],
-    "stop": [5, [1], ["a", "b", "c", "d", "e"], {"s": 1}, True],
+    "stop": [5, [1], ["a", 2], {"s": 1}, True],  # any count is the origin's to judge
     "seed": ["1", 1.5, True, {}],
     "stream": ["yes", 1, []],
     "stream_options": ["x", 5, {"include_usage": "yes"}],
