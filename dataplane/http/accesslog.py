@@ -92,7 +92,8 @@ class AccessRecord:
     attempts: int  # origin calls made (failover, hedge and continuations included)
     route: str | None  # why that origin (x-ponto-route)
     # What affinity placed it by: the key's source and a MAC of its hash
-    # ("conversation:1f0c93a2", see _placement), so that requests sharing a
+    # ("conversation:1f0c93a2", "prefix:1f0c93a2/9a0b1c2d" with the
+    # conversation, see _placement), so that requests sharing a
     # key can be told (trial 60: conversations that start alike share one)
     placement: str | None
     hedged: bool
@@ -235,12 +236,17 @@ def _placement(ex: Exchange) -> str | None:
     """What affinity placed the request by: the key's source, and the fleet's
     MAC of its hash (IdKeys.tag) when the table has the fleet's key. Not the
     hash itself: a CRC-32 of a `user` field or a session id gave the id back
-    to a search of candidates (review of 8a4c023)."""
+    to a search of candidates (review of 8a4c023). A prefix key's
+    conversation (Key.within) follows the prefix's tag after a "/": the
+    prefix's tag alone made one preamble's conversations look like one."""
     key = ex.placement
     if key is None:
         return None
     keys = ex.routes.id_keys
-    return f"{key.source}:{keys.tag(b'placement', key.value)}" if keys is not None else key.source
+    if keys is None:
+        return key.source
+    tag = f"{key.source}:{keys.tag(b'placement', key.value)}"
+    return tag if key.within is None else f"{tag}/{keys.tag(b'placement', key.within)}"
 
 
 def _asked_model(body: dict[str, Any]) -> str | None:

@@ -32,6 +32,7 @@ from dataplane.http.accesslog import (
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.server import build_app
 from dataplane.http.state import ACCESS_LOG, METRICS
+from dataplane.placement.keys import Key
 from dataplane.routes import build_routes
 from dataplane.settings import parse
 from dataplane.streaming.usage import Usage
@@ -121,6 +122,30 @@ def test_a_streamed_origin_answer_has_every_field() -> None:
     assert (line["input_tokens"], line["output_tokens"], line["cached_tokens"]) == (7, 3, 4)
     assert line["tokens_estimated"] is True  # the proxy counted it (no origin's usage)
     assert line["error"] is None
+
+
+def test_a_prefix_key_s_line_tells_its_conversations_apart() -> None:
+    """A prefix key places a conversation among the preamble's replicas by
+    its `within`: the line tags both, so one preamble's conversations are
+    told apart and each conversation's turns are alike (the prefix's tag
+    alone made them one)."""
+    table = pb.RouteTable(version=1, regions=[pb.Region(name="eu")])
+    table.response_id_keys.append(b"k" * 32)
+    table.etag = content_etag(table)
+    routes = build_routes(table, "eu")
+
+    def placement(key: Key) -> str:
+        tag: str = build(exchange(routes=routes, placement=key))["placement"]
+        return tag
+
+    one, again = placement(Key(1, "prefix", "prefix", 2)), placement(Key(1, "prefix", "prefix", 2))
+    other = placement(Key(1, "prefix", "prefix", 3))
+    bare = placement(Key(1, "prefix", "prefix"))
+    assert one == again and one != other
+    assert bare.startswith("prefix:") and "/" not in bare
+    assert one.startswith(f"{bare}/") and other.startswith(f"{bare}/")
+    # "/" and 8 hex digits of a MAC, not the CRC-32 (which gives a question back)
+    assert len(one) == len(bare) + 9 and not one.endswith(f"/{2:08x}")
 
 
 def test_lines_carry_the_trace_ids_when_tracing_is_on_and_null_otherwise() -> None:
