@@ -174,7 +174,11 @@ def run(
         tokens = chat_tokens((m["role"], m["content"]) for m in messages)
         hashes = block_hashes(MODEL, tokens, BLOCK_TOKENS)
         begin = max(now, replica.engine_free_at)
-        # What is cached when its prefill begins, as vLLM looks it up then.
+        # What the replica caches when the turn is placed, not when its prefill
+        # begins as vLLM looks it up: blocks that a turn queued ahead inserts
+        # (or evicts) before then are not seen. Looking up at `begin` would
+        # make the prefill's length, and so engine_free_at, unknown here; the
+        # limit is the same for every mode compared.
         cached = replica.cache.cached_blocks(hashes, len(tokens)) * BLOCK_TOKENS
         prefill = (len(tokens) - cached) / (PREFILL_PER_CAPACITY * replica.capacity)
         replica.engine_free_at = begin + prefill
