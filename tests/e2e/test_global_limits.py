@@ -227,6 +227,7 @@ def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fle
     short = {**long, "max_tokens": 1}
     spent = 0
     waits: list[int] = []
+    began = time.monotonic()
     with httpx.Client(timeout=10, headers=headers) as client:
         for _ in range(70):
             for proxy in ("p2", "p3"):
@@ -237,13 +238,16 @@ def test_a_proxy_owing_tokens_stops_the_others_admitting_until_repaid(fleet: Fle
                 else:
                     waits.append(int(r.headers["retry-after"]))
             time.sleep(0.2)
+    took = time.monotonic() - began
     # Their refusals say how long the fleet takes to repay (trial 32: 1.3 s,
     # refused again and again): some 160 s at first, counting down.
     assert waits and waits[-1] >= 60, waits[-5:]
     # Before: once p1's burst had faded from its reported demand (a 5 s
     # average then), p2 and p3 admitted at their shares again, 150 tokens
-    # and more.
-    assert spent <= 60, spent
+    # and more in 20 s. At their floors they refill by the second, so the
+    # bound is a rate: 60 tokens in the loop's 14 s, more where a loaded
+    # machine stretched the loop (CI once took 70 in a longer one).
+    assert spent <= 60 * max(1.0, took / 14), (spent, took)
 
 
 def test_a_restarted_proxy_admits_by_its_saved_shares_at_once(fleet: Fleet) -> None:
