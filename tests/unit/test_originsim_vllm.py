@@ -315,6 +315,18 @@ async def test_metrics_use_vllm_names(make_client: MakeClient) -> None:
     assert samples[f"vllm:prefix_cache_hits_total{small}"] == 0
 
 
+KV_USAGE = 'vllm:kv_cache_usage_perc{model_name="sim-small"}'
+
+
+async def kv_usage_becomes(client: SimClient, expected: float) -> None:
+    """Waits (2 s at most) for the simulator's KV-cache gauge to read `expected`."""
+    for _ in range(400):
+        if (await metrics(client))[KV_USAGE] == pytest.approx(expected):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"KV-cache usage never read {expected}")
+
+
 async def test_kv_usage_is_the_blocks_requests_under_way_hold(make_client: MakeClient) -> None:
     """Trial: an idle simulator read its prefix cache's fill as KV-cache
     usage (1.0 once full), which vLLM v1 counts free. It reads the blocks of
@@ -323,22 +335,14 @@ async def test_kv_usage_is_the_blocks_requests_under_way_hold(make_client: MakeC
     messages = conversation("hello")
     _, answer = await chat(client, messages, max_tokens=2)
     n = answer["usage"]["prompt_tokens"]
-    kv = 'vllm:kv_cache_usage_perc{model_name="sim-small"}'
 
-    async def usage_becomes(expected: float) -> None:
-        for _ in range(400):
-            if (await metrics(client))[kv] == pytest.approx(expected):
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"KV-cache usage never read {expected}")
-
-    await usage_becomes(0.0)
+    await kv_usage_becomes(client, 0.0)
     body = {"model": "sim-small", "messages": messages, "max_tokens": 1000, "stream": True}
     holder = await client.post(CHAT, data=orjson.dumps(body))
-    await usage_becomes(-(-(n + 1000) // 16) / 2000)
+    await kv_usage_becomes(client, -(-(n + 1000) // 16) / 2000)
     assert (await chat(client, messages, max_tokens=2))[0] > 0  # its prefix is cached all along
     holder.close()  # it ends: its blocks are free again, cached or not
-    await usage_becomes(0.0)
+    await kv_usage_becomes(client, 0.0)
 
 
 async def test_requests_under_way_share_the_blocks_of_their_common_prefix(
@@ -353,25 +357,17 @@ async def test_requests_under_way_share_the_blocks_of_their_common_prefix(
     _, answer = await chat(client, messages, max_tokens=2)
     n = answer["usage"]["prompt_tokens"]
     assert n >= 32  # two full blocks at least, to be shared
-    kv = 'vllm:kv_cache_usage_perc{model_name="sim-small"}'
-
-    async def usage_becomes(expected: float) -> None:
-        for _ in range(400):
-            if (await metrics(client))[kv] == pytest.approx(expected):
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"KV-cache usage never read {expected}")
 
     body = {"model": "sim-small", "messages": messages, "max_tokens": 1000, "stream": True}
     own = -(-(n + 1000) // 16) - n // 16  # the partial prompt block and the answer's
     first = await client.post(CHAT, data=orjson.dumps(body))
-    await usage_becomes((n // 16 + own) / 2000)
+    await kv_usage_becomes(client, (n // 16 + own) / 2000)
     second = await client.post(CHAT, data=orjson.dumps(body))
-    await usage_becomes((n // 16 + 2 * own) / 2000)
+    await kv_usage_becomes(client, (n // 16 + 2 * own) / 2000)
     first.close()  # the prefix stays held by the second
-    await usage_becomes((n // 16 + own) / 2000)
+    await kv_usage_becomes(client, (n // 16 + own) / 2000)
     second.close()
-    await usage_becomes(0.0)
+    await kv_usage_becomes(client, 0.0)
 
 
 async def test_prefill_seconds_follow_uncached_tokens(make_client: MakeClient) -> None:

@@ -1341,19 +1341,23 @@ async def port(plane: Plane) -> AsyncIterator[int]:
     await runner.cleanup()
 
 
+# One request of each kind of answer the status port gives: the page, a
+# static file, the API, a 404, and a refused action (no header, no token: 403).
+ANSWER_KINDS = (
+    ("GET", "/"),
+    ("GET", "/static/status.js"),
+    ("GET", "/api/status"),
+    ("GET", "/nowhere"),
+    ("POST", "/api/regions/eu-west/drain"),
+)
+
+
 async def test_every_answer_names_the_product_not_python_and_aiohttp(port: int) -> None:
     """Trial: the status port said `Server: Python/3.11 aiohttp/3.x` where the
     proxy says `ponto` (no versions to look up flaws of)."""
     base = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
-        for method, path in (
-            ("GET", "/"),
-            ("GET", "/static/status.js"),
-            ("GET", "/api/status"),
-            ("GET", "/nowhere"),  # a 404
-            ("POST", "/api/regions/eu-west/drain"),  # refused: no header, no token
-            ("DELETE", "/api/status"),  # a 405
-        ):
+        for method, path in (*ANSWER_KINDS, ("DELETE", "/api/status")):  # and a 405
             async with session.request(method, base + path) as resp:
                 await resp.read()
                 assert resp.headers.getall("Server") == [SERVER_NAME], (method, path)
@@ -1410,13 +1414,7 @@ async def test_every_answer_has_a_request_id_and_a_405_says_what_is_allowed(
     caplog.set_level(logging.INFO)
     base = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
-        for method, path in (
-            ("GET", "/"),
-            ("GET", "/static/status.js"),
-            ("GET", "/api/status"),
-            ("GET", "/nowhere"),
-            ("POST", "/api/regions/eu-west/drain"),  # no token: 403
-        ):
+        for method, path in ANSWER_KINDS:
             async with session.request(method, base + path) as resp:
                 assert len(resp.headers.get("x-request-id", "")) == 32, (method, path)
         # A plain id the client brings is kept, as the proxy keeps it.
