@@ -292,7 +292,8 @@ class Histogram(_Family[HistogramCell]):
             for le, count in zip(self._les, cell.counts, strict=True):
                 cumulative += count
                 out.append(f"{bucket}{le}{rest}{_number(cumulative)}\n")
-            labels = f"{{{before}{',' if before and after else ''}{after}}}" if pairs else ""
+            joined = ",".join(pairs)
+            labels = f"{{{joined}}}" if joined else ""
             out.append(f"{name}_count{labels} {_number(cumulative)}\n")
             out.append(f"{name}_sum{labels} {_number(cell.sum)}\n")
 

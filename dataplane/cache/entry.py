@@ -267,7 +267,7 @@ def judge_completion(
         # calls cost some 2,300 instructions an answer.
         choices = obj["choices"]
         unkept = None if choices else INCOMPLETE  # no choices
-        said = "message" if kind is _CHAT else "text"
+        said, shape = ("message", dict) if kind is _CHAT else ("text", str)
         for choice in choices:
             if not isinstance(choice, dict):
                 return None, None
@@ -276,7 +276,7 @@ def judge_completion(
             # has none (forwarder._missing_answer); one replayed from the
             # cache instead of asked again would give every client an origin's
             # broken answer ("message": 5, "text": ["x"]) for the cache's TTL.
-            if choice.get(said).__class__ is not (dict if kind is _CHAT else str):
+            if choice.get(said).__class__ is not shape:
                 return None, None
             reason = choice.get("finish_reason")
             # A reason not a string (a list, an object) is none of ours, and
