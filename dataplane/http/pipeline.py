@@ -1430,7 +1430,18 @@ class Pipeline:
         own = ex.usage if ex.counter is None else ex.counter.usage
         usage = ex.usage = spent(ex)
         if ex.admission is not None:
+            # None keeps the estimate, and teaches the budgets nothing of the
+            # completions to expect (a count would: one of 0 here).
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
+        if usage is None and ex.attempts:
+            # No count, though an origin was sent the prompt (a whole answer
+            # without `usage`, or a client that left before any answer: a
+            # phone's timeout and each of its SDK's retries): the limits and
+            # budgets keep the estimate, so the metrics and the access log
+            # show it, as the proxy's (trial 98: 3 timed-out retries of a long
+            # prompt took 15,024 tokens of the day's budget that neither saw;
+            # billing trial 76: what is charged is what they show).
+            usage = ex.usage = Usage(ex.estimate, 0, exact=False)
         if usage is not None:
             self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
         if own is not None and own.cached_tokens is not None and ex.origin and not ex.continued:

@@ -19,6 +19,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dataplane.http.state import ACCESS_LOG, METRICS, PIPELINE
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_continuation import Origin, Proxy, event, proxy, sse
 from tests.functional.test_stream_usage import DONE, FRAMES, request
@@ -138,3 +139,26 @@ async def test_an_answer_given_back_is_no_estimate(
     p.app[ACCESS_LOG].flush()
     [line] = [json.loads(x) for x in capfd.readouterr().out.splitlines() if x.startswith("{")]
     assert (line["input_tokens"], line["tokens_estimated"]) == (0, False)
+
+
+async def test_a_whole_answer_without_usage_is_shown_at_the_estimate_it_is_charged(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """No count: the limits and budgets keep the prompt's estimate
+    (Admission.release(None)), and the access line and the metrics show it,
+    the proxy's (trial 98: they showed nothing, the budget the estimate)."""
+
+    async def no_usage(request: web.Request) -> web.StreamResponse:
+        message = {"role": "assistant", "content": "twelve"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return web.json_response({"id": "w", "object": "chat.completion", "choices": [choice]})
+
+    p = await proxy([(Origin(no_usage), True)], extra=["--access-log=on"])
+    raw = request(stream=False)
+    line = await line_of(p, capfd, raw)
+    estimate = estimate_prompt_tokens("chat.completions", json.loads(raw))
+    assert estimate > 0
+    assert (line["input_tokens"], line["output_tokens"]) == (estimate, 0)
+    assert line["tokens_estimated"] is True
+    tokens = accounted(p, "ponto_tenant_tokens_total")
+    assert tokens == accounted(p, "ponto_tenant_estimated_tokens_total") == (estimate, None)

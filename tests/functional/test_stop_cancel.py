@@ -34,9 +34,11 @@ from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.reply import follow
 from dataplane.http.state import DRAINING, METRICS, Draining, stopping
 from dataplane.policy import build_policy
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import build_routes
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_pipeline import COMPLETION, FIRST_CHUNK, KEY, chat
+from tests.functional.test_whole_answers import until
 from tests.unit.test_placement import two_region_table
 
 WAIT = 10.0
@@ -295,6 +297,31 @@ async def test_a_request_whose_client_left_mid_answer_is_freed_without_a_collect
         assert freed() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("temperature", [0, 1], ids=["a-flights-leader", "uncached"])
+async def test_a_whole_answer_whose_client_left_before_it_is_shown_at_its_estimate(
+    proxy: Stopping, temperature: int
+) -> None:
+    """Trial 98: a phone's SDK timed out waiting for an answer the origin
+    had the prompt of, as each of its retries did. The limits and budgets
+    keep the prompt's estimate (no count: Admission.release(None)), and the
+    metrics show it too, the proxy's; they showed nothing."""
+    body = chat("left waiting", temperature=temperature)
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(session.post(proxy.url, json=body, headers=HEADERS))
+        await asyncio.wait_for(proxy.first_sent.wait(), WAIT)  # the origin has the prompt
+        call.cancel()  # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    get = proxy.app[METRICS].registry.get_sample_value
+    left = {"endpoint": "chat.completions", "code": "499"}
+    await until(lambda: get("ponto_requests_total", left) == 1)
+    who = {"tenant": "acme"}  # no key label: metrics on the public port
+    estimate = estimate_prompt_tokens("chat.completions", body)
+    for name in ("ponto_tenant_tokens_total", "ponto_tenant_estimated_tokens_total"):
+        assert get(name, {**who, "kind": "prompt"}) == estimate > 0
+        assert get(name, {**who, "kind": "completion"}) is None
 
 
 async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
