@@ -780,7 +780,9 @@ class Pipeline:
                     followed = await reply.follow(request, ex, plan.follower, self.stream_hold_s)
                 except BaseException:
                     # Its client left (a 499) while it followed: a coalesced
-                    # hit all the same, as the access log says.
+                    # hit all the same, as the access log says, and charged
+                    # as one, 0 (trial 98: it kept the prompt's estimate).
+                    ex.usage = Usage(0, 0)
                     self.cache.count_coalesced()
                     raise
                 if followed is not None:

@@ -32,12 +32,14 @@ from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.http.edge import EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.reply import follow
-from dataplane.http.state import DRAINING, METRICS, Draining, stopping
+from dataplane.http.state import DRAINING, HOLDER, METRICS, Draining, stopping
 from dataplane.policy import build_policy
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import build_routes
+from ponto.routetable import content_etag
+from ponto.v1 import routing_pb2 as pb
 from tests.functional.edgestack import serve_on_edge
-from tests.functional.test_pipeline import COMPLETION, FIRST_CHUNK, KEY, chat
+from tests.functional.test_pipeline import COMPLETION, FIRST_CHUNK, KEY, chat, table
 from tests.functional.test_whole_answers import until
 from tests.unit.test_placement import two_region_table
 
@@ -54,6 +56,7 @@ class Stopping:
     first_sent: asyncio.Event  # the origin sent its first chunk, or took the call
     taken: asyncio.Event  # the origin has the call
     head: asyncio.Event  # set to let the origin send its head
+    origin_url: str  # the origin's base URL, for a table of the test's own
 
     async def stop(self) -> None:
         """As dataplane.run: Draining active, then the runner's cleanup."""
@@ -93,7 +96,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Stopping]:
     port = served.port
     try:
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        yield Stopping(app, runner, url, calls, first, taken, head)
+        yield Stopping(app, runner, url, calls, first, taken, head, str(origin.make_url("/v1")))
     finally:
         await runner.cleanup()
         await origin.close()
@@ -322,6 +325,46 @@ async def test_a_whole_answer_whose_client_left_before_it_is_shown_at_its_estima
     for name in ("ponto_tenant_tokens_total", "ponto_tenant_estimated_tokens_total"):
         assert get(name, {**who, "kind": "prompt"}) == estimate > 0
         assert get(name, {**who, "kind": "completion"}) is None
+
+
+async def test_a_follower_whose_client_left_is_charged_nothing(proxy: Stopping) -> None:
+    """A follower is a hit, charged 0 (README, "Identical requests in
+    flight"), also when its client leaves before the flight's end (trial 98:
+    a phone that asks again while the answer is under way and drops again).
+    It kept the prompt's estimate against its key, which no metric showed."""
+    t = table([("o1", proxy.origin_url)], version=2, limited=False)
+    t.keys[0].limits.CopyFrom(pb.Limits(tpm=10_000))
+    t.etag = content_etag(t)
+    proxy.app[HOLDER].apply(t, "control-plane")
+    body = chat("word " * 2000, stream=True)  # estimated at thousands of tokens
+    probe = chat("a short other question", stream=True)
+    remaining = "x-ratelimit-remaining-tokens"
+    async with (
+        aiohttp.ClientSession() as a,
+        aiohttp.ClientSession() as b,
+        aiohttp.ClientSession() as c,
+        a.post(proxy.url, json=body, headers=HEADERS) as leader,
+    ):
+        await asyncio.wait_for(leader.content.readuntil(b"\n\n"), WAIT)
+        async with b.post(proxy.url, json=body, headers=HEADERS) as follower:
+            assert follower.headers.get("x-ponto-coalesced") == "1"
+            await asyncio.wait_for(follower.content.readuntil(b"\n\n"), WAIT)
+        # Its client left: settled once its handler ends.
+        get = proxy.app[METRICS].registry.get_sample_value
+        await until(
+            lambda: (
+                get("ponto_requests_total", {"endpoint": "chat.completions", "code": "499"}) == 1
+            )
+        )
+        async with c.post(proxy.url, json=probe, headers=HEADERS) as after:
+            assert after.status == 200
+            left = int(after.headers[remaining])
+        before = int(leader.headers[remaining])
+    estimate = estimate_prompt_tokens("chat.completions", body)
+    # The probe's own estimate aside, the bucket lost nothing to the
+    # follower (a refill over the test's milliseconds adds a little).
+    spent = before - left - estimate_prompt_tokens("chat.completions", probe)
+    assert spent < estimate // 2, (spent, estimate)
 
 
 async def test_a_flights_leader_and_follower_cancelled_by_the_stop_are_told_so(
