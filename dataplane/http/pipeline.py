@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
@@ -392,6 +392,22 @@ SLOT_WAIT_S = 4.0
 _SLOT_POLL_S = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class SlotWait:
+    """How `admit_when_slot_frees` waits: at most `wait_s`, looking every
+    `poll_s`, by `clock` (the limiter's times: monotonic seconds) and
+    `sleep`. Tests give a clock and a sleep of their own, so a wait's every
+    step is theirs to order and no real time passes."""
+
+    wait_s: float = SLOT_WAIT_S
+    poll_s: float = _SLOT_POLL_S
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+
+SLOT_WAIT: Final = SlotWait()
+
+
 def _relayed_or_let_go(
     task: asyncio.Task[web.StreamResponse], lead: reply.LeaderStream
 ) -> asyncio.Future[None]:
@@ -435,9 +451,12 @@ class Pipeline:
         draining: Draining | None = None,
         transcripts: TranscriptBudget | None = None,
         stream_hold_s: float | None = None,
+        slot_wait: SlotWait = SLOT_WAIT,
     ) -> None:
         self.holder = holder
         self.limiter = limiter
+        # A concurrency slot's wait (_admit_after_wait).
+        self.slot_wait = slot_wait
         self.cache = cache
         self.locator = locator
         self.forwarder = forwarder
@@ -721,13 +740,15 @@ class Pipeline:
         """`admit_now`'s wait for a concurrency slot, refused at `refused_at`."""
         limiter, scopes = self.limiter, ex.principal.scopes
         try:
-            admission = await admit_when_slot_frees(limiter, scopes, est, refused_at, most, choices)
+            admission = await admit_when_slot_frees(
+                limiter, scopes, est, refused_at, most, choices, self.slot_wait
+            )
         except asyncio.CancelledError:
             # The client left during the wait (a 499), or the proxy
             # stopped the request as it shut down: a wait all the same.
             self.metrics.slot_wait(ex.principal.tenant, "abandoned")
             raise
-        now = time.monotonic()
+        now = self.slot_wait.clock()
         outcome = "admitted" if admission.ok else "refused"
         self.metrics.slot_wait(ex.principal.tenant, outcome)
         if not admission.ok:
@@ -1761,10 +1782,11 @@ async def admit_when_slot_frees(
     refused_at: float,
     most: int | None = None,
     choices: int = 1,
+    wait: SlotWait = SLOT_WAIT,
 ) -> Admission:
     """Admit once a slot is free here (a share brought one, or a request here
     ended); refuse once a share says the wait is pointless (no spare slots in
-    the fleet) or after SLOT_WAIT_S.
+    the fleet) or after `wait.wait_s` (looking every `wait.poll_s`).
 
     Only when the slots are elsewhere (RateLimiter.may_wait): waiting admits
     nothing the fleet's limit does not allow, it waits for this proxy's part
@@ -1774,18 +1796,19 @@ async def admit_when_slot_frees(
     is judged as of then (its closing does not end the wait), spare flags as
     of each poll (their lapsing, no leader having confirmed them, does).
     """
-    deadline = time.monotonic() + SLOT_WAIT_S
+    clock = wait.clock
+    deadline = clock() + wait.wait_s
     limiter.wait_begin(scopes)
     try:
-        while time.monotonic() < deadline:
-            await asyncio.sleep(_SLOT_POLL_S)
+        while clock() < deadline:
+            await wait.sleep(wait.poll_s)
             if limiter.slots_free(scopes) or not limiter.may_wait(
-                scopes, time.monotonic(), waiting=True, refused_at=refused_at
+                scopes, clock(), waiting=True, refused_at=refused_at
             ):
                 break
     finally:
         limiter.wait_end(scopes)
-    return limiter.admit(scopes, estimate, time.monotonic(), again=True, most=most, choices=choices)
+    return limiter.admit(scopes, estimate, clock(), again=True, most=most, choices=choices)
 
 
 # The endpoints whose requests are batches of items an answer accounts for.

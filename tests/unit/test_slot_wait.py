@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -117,20 +118,70 @@ def test_waiters_are_reported_as_demand_until_they_end() -> None:
     assert rl.demand(4.0)[T].concurrency_peak == 1
 
 
+class Polls:
+    """A slot wait's clock and sleep (`wait()`), the test's to order: no real
+    time passes. The clock stands still but for the waiter's sleeps; its nth
+    sleep adds its seconds, then runs `steps[n - 1]` (what happens in the
+    world while it sleeps: a share arrives, a request ends), if there is one.
+    With `gate`, each sleep past the steps waits for it (a waiter held
+    mid-wait); without, it returns at once (time passes, nothing happens)."""
+
+    LIMIT = 1000  # sleeps: a wait past them would never have ended
+
+    def __init__(
+        self,
+        *steps: Callable[[], object],
+        now: float = 1.0,
+        gate: asyncio.Event | None = None,
+    ) -> None:
+        self.now = now
+        self.steps = steps
+        self.gate = gate
+        self.count = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.count += 1
+        assert self.count <= self.LIMIT, "the wait never ended"
+        self.now += seconds
+        if self.count <= len(self.steps):
+            self.steps[self.count - 1]()
+        elif self.gate is not None:
+            await self.gate.wait()
+
+    def wait(self) -> handlers.SlotWait:
+        return handlers.SlotWait(clock=self.clock, sleep=self.sleep)
+
+
+async def parked(polls: Polls, count: int) -> None:
+    """Until `count` sleeps of `polls` have begun (its gate holds them)."""
+    for _ in range(100):
+        if polls.count >= count:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{polls.count} of {count} waits began")
+
+
 async def test_a_request_waits_for_the_share_that_brings_a_slot() -> None:
     rl = limiter(0)
     refused = rl.admit([T], 1, 1.0)
     assert refused.limit == "concurrency"
     attempts = rl._scopes[T].attempts
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
-    await asyncio.sleep(0.12)
-    rl.apply_shares({T: Share(0.0, 0)}, 1.0)  # a share, still no slot: still joining, waits
-    await asyncio.sleep(0.12)
-    assert not waiting.done()
-    assert rl._scopes[T].attempts == attempts  # waiting adds no demand
-    rl.apply_shares({T: Share(0.0, 1)}, 1.0)
-    admission = await asyncio.wait_for(waiting, 2.0)
+
+    def still_waiting() -> None:
+        assert rl._scopes[T].attempts == attempts  # waiting adds no demand
+
+    polls = Polls(
+        # A share, still no slot: still joining, waits.
+        lambda: rl.apply_shares({T: Share(0.0, 0)}, 1.0),
+        still_waiting,
+        lambda: rl.apply_shares({T: Share(0.0, 1)}, 1.0),
+    )
+    admission = await handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait())
     assert admission.ok
+    assert polls.count == 3  # admitted on the poll after the slot came
     assert rl.in_flight(T) == 1
     assert rl._scopes[T].waiting == 0
 
@@ -139,10 +190,8 @@ async def test_admitted_after_a_wait_its_demand_is_counted_once() -> None:
     rl = limiter(1, limit=20, spare=True)
     held = rl.admit([T], 100, 1.0)
     assert not rl.admit([T], 100, 1.0).ok
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 100, 1.0))
-    await asyncio.sleep(0.12)
-    held.release(100, 1.5)
-    assert (await asyncio.wait_for(waiting, 2.0)).ok
+    polls = Polls(lambda: held.release(100, 1.5))
+    assert (await handlers.admit_when_slot_frees(rl, [T], 100, 1.0, wait=polls.wait())).ok
     scope = rl._scopes[T]
     assert (scope.attempts, scope.attempt_tokens, scope.turned_away) == (2, 200, 1)
 
@@ -150,35 +199,39 @@ async def test_admitted_after_a_wait_its_demand_is_counted_once() -> None:
 async def test_a_share_without_spare_ends_the_wait_in_a_refusal_at_once() -> None:
     rl = limiter(1, limit=20, spare=True)
     assert rl.admit([T], 1, 1.0).ok
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
-    await asyncio.sleep(0.12)
-    assert not waiting.done()
-    rl.apply_shares({T: Share(0.0, 1, spare=False)}, 2.0)  # the tenant now uses its limit
-    admission = await asyncio.wait_for(waiting, 0.5)  # well before SLOT_WAIT_S
+    polls = Polls(
+        lambda: None,
+        # The tenant now uses its limit.
+        lambda: rl.apply_shares({T: Share(0.0, 1, spare=False)}, 2.0),
+    )
+    admission = await handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait())
     assert not admission.ok and admission.limit == "concurrency"
+    assert polls.count == 2  # at the poll after the share, not at the wait's end
     assert rl._scopes[T].waiting == 0
 
 
 async def test_a_wait_ends_in_a_refusal_once_no_leader_confirms_the_flags() -> None:
     rl = limiter(1, limit=20, spare=True)
-    rl.confirm_spare(time.monotonic() + 3600.0)
+    rl.confirm_spare(3600.0)
     assert rl.admit([T], 1, 1.0).ok
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
-    await asyncio.sleep(0.12)
-    assert not waiting.done()
-    rl.confirm_spare(time.monotonic())  # its last confirmation is now past
-    admission = await asyncio.wait_for(waiting, 0.5)  # well before SLOT_WAIT_S
+    polls = Polls()
+    # Confirmed until the end of the second sleep: the flags count until then.
+    polls.steps = (lambda: None, lambda: rl.confirm_spare(polls.now))
+    admission = await handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait())
     assert not admission.ok and admission.limit == "concurrency"
+    assert polls.count == 3  # once the flags lapsed, not at the wait's end
     assert rl._scopes[T].waiting == 0
 
 
 async def test_a_cancelled_waiter_leaves_no_trace() -> None:
     rl = limiter(1, limit=20, spare=True)
     assert rl.admit([T], 1, 1.0).ok
+    polls = Polls(gate=asyncio.Event())
     waiters = [
-        asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0)) for _ in range(3)
+        asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait()))
+        for _ in range(3)
     ]
-    await asyncio.sleep(0.12)
+    await parked(polls, 3)
     assert rl._scopes[T].waiting == 3
     for w in waiters:
         w.cancel()
@@ -187,12 +240,21 @@ async def test_a_cancelled_waiter_leaves_no_trace() -> None:
 
 
 def admitting(
-    rl: RateLimiter, metrics: Metrics, ex: SimpleNamespace | None = None
+    rl: RateLimiter, metrics: Metrics, polls: Polls, ex: SimpleNamespace | None = None
 ) -> asyncio.Task[None]:
-    """Pipeline.admit of `ex` (default: an acme request under scope T), under way."""
+    """Pipeline.admit of `ex` (default: an acme request under scope T), under
+    way, its slot wait's by `polls`."""
     unused = cast(Any, None)  # admit uses the limiter and the metrics only
     pipeline = handlers.Pipeline(
-        unused, rl, unused, unused, unused, metrics, unused, max_body_bytes=1024
+        unused,
+        rl,
+        unused,
+        unused,
+        unused,
+        metrics,
+        unused,
+        max_body_bytes=1024,
+        slot_wait=polls.wait(),
     )
     return asyncio.create_task(pipeline.admit(cast(handlers.Exchange, ex or exchange())))
 
@@ -215,18 +277,19 @@ async def test_a_request_admitted_after_its_wait_holds_its_admission() -> None:
     admission (its settlement releases it) and the admission's headers, as
     one admitted at once does; the wait is counted admitted."""
     rl = limiter(1, limit=20, spare=True)
-    held = rl.admit([T], 1, time.monotonic())
+    now = time.monotonic()  # admit_now's clock; the wait's starts there
+    held = rl.admit([T], 1, now)
     assert held.ok
     metrics = Metrics()
     ex = exchange()
-    task = admitting(rl, metrics, ex)
-    for _ in range(100):
-        if rl._scopes[T].waiting:
-            break
-        await asyncio.sleep(0)
-    assert rl._scopes[T].waiting == 1, "the request never waited for a slot"
-    held.release(1, time.monotonic())
-    await asyncio.wait_for(task, 2.0)
+
+    def release() -> None:
+        assert rl._scopes[T].waiting == 1, "the request never waited for a slot"
+        held.release(1, polls.now)
+
+    polls = Polls(release, now=now)
+    await asyncio.wait_for(admitting(rl, metrics, polls, ex), 2.0)
+    assert polls.count == 1
     assert ex.admission is not None and ex.admission.ok
     assert (ex.limit_headers, ex.limit_lines) == (ex.admission.headers, ex.admission.lines)
     assert rl.in_flight(T) == 1
@@ -234,23 +297,19 @@ async def test_a_request_admitted_after_its_wait_holds_its_admission() -> None:
     assert 'ponto_ratelimit_slot_waits_total{outcome="admitted"} 1.0' in text
 
 
-async def test_a_request_refused_after_its_wait_gets_the_429(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_request_refused_after_its_wait_gets_the_429() -> None:
     """No slot came within the wait: the request is refused as one refused
     at once is (a 429, the limits' headers, counted), and the wait is
     counted refused."""
-    # A wait that ends as it begins (its deadline is now, and the monotonic
-    # clock never goes back): the pipeline's part is under test, with no
-    # real time waited; the poll loop's end at its deadline is
-    # test_without_a_new_slot_the_wait_ends_in_the_refusal's.
-    monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.0)
     rl = limiter(1, limit=20, spare=True)
-    assert rl.admit([T], 1, time.monotonic()).ok  # the one slot here stays busy
+    now = time.monotonic()
+    assert rl.admit([T], 1, now).ok  # the one slot here stays busy
     metrics = Metrics()
     ex = exchange()
+    polls = Polls(now=now)  # its whole wait passes, and nothing comes
     with pytest.raises(ApiError) as refused:
-        await asyncio.wait_for(admitting(rl, metrics, ex), 2.0)
+        await asyncio.wait_for(admitting(rl, metrics, polls, ex), 2.0)
+    assert polls.now >= now + handlers.SLOT_WAIT_S
     assert refused.value.status == 429
     assert ex.admission is None and ex.limit_lines is None
     assert ex.limit_headers == []  # the limiter's (a concurrency limit has none)
@@ -264,13 +323,12 @@ async def test_a_wait_whose_client_leaves_is_counted_as_abandoned() -> None:
     client left (aiohttp cancels the handler; a 499) or the proxy stopped it
     as it shut down. Each is counted, and reported as the tenant's wait."""
     rl = limiter(1, limit=20, spare=True)
-    assert rl.admit([T], 1, time.monotonic()).ok  # the one slot here is busy
+    now = time.monotonic()
+    assert rl.admit([T], 1, now).ok  # the one slot here is busy
     metrics = Metrics()
-    task = admitting(rl, metrics)
-    for _ in range(100):
-        if rl._scopes[T].waiting:
-            break
-        await asyncio.sleep(0)
+    polls = Polls(now=now, gate=asyncio.Event())
+    task = admitting(rl, metrics, polls)
+    await parked(polls, 1)
     assert rl._scopes[T].waiting == 1, "the request never waited for a slot"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -288,23 +346,20 @@ async def test_a_request_ending_here_frees_the_slot_a_waiter_takes() -> None:
     rl = limiter(1, limit=20, spare=True)
     held = rl.admit([T], 1, 1.0)
     assert held.ok
-    waiting = asyncio.create_task(handlers.admit_when_slot_frees(rl, [T], 1, 1.0))
-    await asyncio.sleep(0.12)
-    assert not waiting.done()
-    held.release(1, 2.0)
-    admission = await asyncio.wait_for(waiting, 2.0)
+    polls = Polls(lambda: None, lambda: held.release(1, 2.0))
+    admission = await handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait())
     assert admission.ok
+    assert polls.count == 2
     assert rl.in_flight(T) == 1
     assert rl._scopes[T].waiting == 0
 
 
-async def test_without_a_new_slot_the_wait_ends_in_the_refusal(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(handlers, "SLOT_WAIT_S", 0.2)
-    rl = limiter(0)
-    admission = await asyncio.wait_for(handlers.admit_when_slot_frees(rl, [T], 1, 1.0), 2.0)
+async def test_without_a_new_slot_the_wait_ends_in_the_refusal() -> None:
+    rl = limiter(0)  # joining for the whole wait (judged as of its refusal)
+    polls = Polls()
+    admission = await handlers.admit_when_slot_frees(rl, [T], 1, 1.0, wait=polls.wait())
     assert not admission.ok and admission.limit == "concurrency"
+    assert 1.0 + handlers.SLOT_WAIT_S <= polls.now < 1.0 + handlers.SLOT_WAIT_S + 0.1
     assert rl.in_flight(T) == 0
     assert rl._scopes[T].waiting == 0
 
