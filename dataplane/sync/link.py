@@ -372,6 +372,13 @@ class ControlPlaneClient:
             else:
                 # Full jitter keeps a fleet from reconnecting in lockstep.
                 spread = self._random.uniform(self._backoff_min, backoff)
+            # A cancellation that lands as a gRPC call completes can be taken
+            # by grpc.aio for the call's own end (its status, raised as an
+            # error this loop retries): read the request to stop here too, or
+            # the link would go on registering its name (a worker stopped for
+            # its successor taking it back) and its stop would never end.
+            if self._task is not None and self._task.cancelling():
+                raise asyncio.CancelledError
             await self._sleep(wait or spread)
             backoff = min(backoff * 2, self._backoff_max)
 
