@@ -309,6 +309,7 @@ class _Scope:
                 # got 36 429s for a second after `limit set --concurrency 500`).
                 self.limited_at = now
                 self.ever_slots = False
+        was = self.limits
         self.limits = limits
         self.budgeted = limits.budgeted  # read on the hot path
         self.concurrency = limits.concurrency
@@ -335,8 +336,8 @@ class _Scope:
         # capped at (RateLimiter._expected).
         budgets = [b for b in (limits.tokens_per_day, limits.tokens_per_month) if b]
         self.max_budget = float(min(budgets)) if budgets else INF
-        self.req = self._bucket(self.req, limits.rpm, now, self.fill_req)
-        self.tok = self._bucket(self.tok, limits.tpm, now, self.fill_tok)
+        self.req = self._bucket(self.req, limits.rpm, was.rpm, now, self.fill_req)
+        self.tok = self._bucket(self.tok, limits.tpm, was.tpm, now, self.fill_tok)
         if self.fraction > 0:
             self.fill_req = self.fill_tok = False
 
@@ -349,8 +350,9 @@ class _Scope:
         self.set_limits(self.limits, now)
 
     def _bucket(
-        self, bucket: TokenBucket | None, limit: int, now: float, fill: bool
+        self, bucket: TokenBucket | None, limit: int, was: int, now: float, fill: bool
     ) -> TokenBucket | None:
+        """The bucket of a limit `limit` (None: none), that was `was`."""
         if not limit:
             return None
         capacity = self.fraction * limit
@@ -359,6 +361,13 @@ class _Scope:
         bucket.resize(capacity, capacity / 60.0, now)
         if fill:
             bucket.level = capacity
+        elif limit > was:
+            # Raised: what was used of the old limit stays used, the rest of
+            # the new one is there at once, as in one global bucket (the
+            # proxies' shares of the raise sum to at most it); a tenant at
+            # its old limit had waited for the refill. Lowered, resize's
+            # clamp applies it at once. A share that grows adds nothing.
+            bucket.give(self.fraction * (limit - was), now)
         return bucket
 
 
@@ -622,8 +631,10 @@ class RateLimiter:
         """Take the limits of a new route table.
 
         Unchanged scopes keep their bucket levels; changed ones are resized
-        (never refilled); removed scopes are dropped with their shares, and
-        requests in flight in them release harmlessly. New scopes take the
+        (not refilled: a raised rpm or tpm gains only the raise, what was
+        used of the old limit stays used, and a lowered one clamps); removed
+        scopes are dropped with their shares, and requests in flight in them
+        release harmlessly. New scopes take the
         share already known for them, if any. The first call is this proxy's
         boot: its scopes start with empty buckets, since the proxy cannot know
         how much of the minute was used before it came. Scopes that appear in

@@ -428,6 +428,36 @@ def test_a_limit_given_to_a_dimension_of_a_known_scope_starts_full() -> None:
     assert header_map(booting, [T], 0.0)["x-ratelimit-remaining-tokens"] == "0"
 
 
+def test_a_raised_limit_admits_its_raise_at_once_and_a_lowered_one_applies_at_once() -> None:
+    """A table that raises a scope's rpm or tpm: what was used of the old
+    limit stays used, and the rest of the new one is there at once, as one
+    global bucket's would be (each proxy gains its share of the raise; the
+    shares sum to at most 1). A tenant at its old limit, raised to ten times
+    it, is not refused in the raise's first second (its bucket kept its
+    level and refilled at the new rate: a tenth of the raise a second).
+    Lowered, the limit applies at once: no more than the new one's worth."""
+    for limits, raised, tokens in [
+        (ScopeLimits(rpm=60), ScopeLimits(rpm=600), 0),
+        (ScopeLimits(tpm=6000), ScopeLimits(tpm=60_000), 100),
+    ]:
+        rl = limiter({T: limits}, {T: Share(0.5)})
+        # A full minute's share used up: 30 requests (of 100 tokens).
+        assert sum(rl.admit([T], tokens, 60.0).ok for _ in range(31)) == 30
+        rl.configure({T: raised}, 60.0)
+        assert sum(rl.admit([T], tokens, 60.0).ok for _ in range(300)) == 270  # 0.5 of 540
+    # Lowered below what is left: no more than the new limit's share of it.
+    rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.5)})
+    rl.configure({T: ScopeLimits(rpm=60)}, 60.0)
+    assert sum(rl.admit([T], 0, 60.0).ok for _ in range(300)) == 30
+    # Raised again after the lowering: the raise over what is used, no more.
+    rl.configure({T: ScopeLimits(rpm=120)}, 60.0)
+    assert sum(rl.admit([T], 0, 60.0).ok for _ in range(300)) == 30
+    # A share that changes with its limit as it was gains nothing (a share
+    # moving between proxies brings no tokens).
+    rl.apply_shares({T: Share(1.0)}, 60.0)
+    assert not rl.admit([T], 0, 60.0).ok
+
+
 def test_a_growing_share_adds_no_tokens_and_a_shrinking_one_clamps() -> None:
     rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.1)})
     assert header_map(rl, [T], 60.0)["x-ratelimit-remaining-requests"] == "600"  # 60 of 0.1
