@@ -416,24 +416,23 @@ def _record(
     a message the HTTP parser refused, whose request is aiohttp's stand-in.
     `m` and `access`: the app's METRICS and ACCESS_LOG (None when off), which
     the caller has."""
+    answered = status  # what excused_here judges: an origin's own, for a held stream
     if not error and ex is not None:
         error = ex.stream_error
+        if not error and ex.held_status:
+            # A stream whose head went out before its origin's error answer
+            # (reply.into_held): its status is the origin's, not the 200 its
+            # client had, so a 400 an origin gave a held stream's bad prompt
+            # is excused as any other's is, and a held stream refused with a
+            # code per request makes no duration histogram per request.
+            answered = ex.held_status
     logged = error
-    answered = status  # what excused_here judges: an origin's own, for a held stream
-    if not error and status >= 400:
+    if not error and answered >= 400:
         # An origin's own error answer: the metrics' error type is its status
         # (an origin's codes are its own to choose, and would make label
         # values without bound), the access line its code when it gave one.
-        error = str(status)
+        error = str(answered)
         logged = _origin_error(request, ex) or error
-    elif error and error.isdigit():
-        # The same for a stream whose head went out before its origin's error
-        # answer (reply.into_held records its status): a held stream refused
-        # with a code per request made a duration histogram per request.
-        # Its status is the origin's, not the 200 its client had: a 400 an
-        # origin gave a held stream's bad prompt is excused as any other's is.
-        logged = _origin_error(request, ex) or error
-        answered = int(error)
     principal = _caller(request, ex)
     if principal is not None:
         m.account_request(principal.tenant, principal.key_id, status)

@@ -187,6 +187,7 @@ class Exchange:
         "hedge_prompt",
         "hedged",
         "held",
+        "held_status",
         "idle_timeout_own",
         "idle_timeout_s",
         "idle_timeout_shorter",
@@ -320,6 +321,10 @@ class Exchange:
         # A stream's head sent while its origin thought (dataplane.http.hold):
         # the answer goes on in it.
         self.held: web.StreamResponse | None = None
+        # The status of the answer a held stream's error event stands for,
+        # under the 200 its client had (reply.held_failed; 0: none): an
+        # origin's error answer's, recorded as one unheld is (boundary._record).
+        self.held_status: int = 0
         # How an answer that started as a success ended badly: a stream cut, or
         # a client gone before its answer ended (CLIENT_GONE: recorded as a 499).
         self.stream_error: str = ""
@@ -872,7 +877,7 @@ class Pipeline:
             # would have (its followers make their own calls).
             plan.abandon(exc)
             return await reply.held_failed(
-                ex, out, exc.error(), exc.recorded or exc.code or str(exc.status)
+                ex, out, exc.error(), exc.recorded or exc.code or "", exc.status
             )
         except asyncio.CancelledError:
             out = await held.stop()

@@ -914,17 +914,19 @@ NOT_A_STREAM: Final = (
 
 
 async def held_failed(
-    ex: Exchange, out: web.StreamResponse, error: dict[str, Any], recorded: str
+    ex: Exchange, out: web.StreamResponse, error: dict[str, Any], recorded: str, status: int
 ) -> web.StreamResponse:
     """Ends a stream whose head was sent while its origin thought
     (dataplane.http.hold), and which got no answer, with `error` (an OpenAI
     error object, as the client would have had it in a JSON body) as its
     in-band error event (and `[DONE]`, in a chat or completions stream), as
     a cut stream ends: the status was sent, and was 200. `recorded`: the
-    error the access log and the metrics give it (ex.stream_error); an
-    origin's status (digits) stands for its error answer, whose code the
-    access log gives instead (boundary._record)."""
+    error the access log and the metrics give it (ex.stream_error); ""
+    for one recorded by `status` (ex.held_status), the status of the answer
+    it stands for, as an origin's error answer is: its status for the
+    metrics, its code for the access log (boundary._record)."""
     ex.stream_error = recorded
+    ex.held_status = status
     # No chunk of an answer: no time-to-first-chunk sample (review 314: a
     # stream no origin answered went into the TTFT histogram at the time
     # failover gave up), as the 502 it stands for had none.
@@ -971,5 +973,5 @@ async def into_held(
             error = {"message": UPSTREAM_REFUSED, "type": "upstream_error"}
         error.setdefault("param", None)
         error.setdefault("code", None)
-        await held_failed(ex, out, error, str(answer.status))
+        await held_failed(ex, out, error, "", answer.status)
     return out

@@ -527,8 +527,11 @@ class RequestTrace:
         root = self.root
         if root.is_recording():
             attrs: dict[str, Any] = {"http.response.status_code": status}
-            if error is None and ex is not None and ex.stream_error:
-                error = ex.stream_error
+            if error is None and ex is not None:
+                if ex.stream_error:
+                    error = ex.stream_error
+                elif ex.held_status:
+                    error = str(ex.held_status)  # as boundary._record's metrics
             if error is None and status >= 400:
                 error = str(status)
             if error is not None:

@@ -21,9 +21,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dataplane.http.hold import KEEP_ALIVE
-from dataplane.http.state import ACCESS_LOG, DRAINING, METRICS
+from dataplane.http.state import ACCESS_LOG, DRAINING, METRICS, PIPELINE
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_continuation import (
     MODEL,
@@ -37,6 +38,7 @@ from tests.functional.test_continuation import (
     whole_chat,
 )
 from tests.functional.test_pipeline import KEY, chat
+from tests.functional.test_tracing import last_tree, tracing
 
 __all__ = ["proxy"]  # fixture
 
@@ -203,7 +205,9 @@ async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_
     metrics' error_type is its status (trial 96: each held stream an origin
     refused with a code of its own, one per request, made a duration
     histogram's 20 series), excused as that status is (review 413: its 400
-    read as its region failing)."""
+    read as its region failing); its span's error is that status too. The
+    status goes along as a number (Exchange.held_status), not as digits in
+    the stream's error read back."""
 
     async def refuses(request: web.Request) -> web.StreamResponse:
         return web.json_response(
@@ -212,11 +216,15 @@ async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_
         )
 
     p = await proxy([(Origin(refuses), False)], idle="30", extra=HOLD_AT_ONCE)
+    exporter = InMemorySpanExporter()
+    p.app[PIPELINE].tracer = tracing(exporter).tracer
     capfd.readouterr()
     resp = await p.client.post("/v1/chat/completions", json=ASK)
     assert resp.status == 200
     frames = frames_of((await resp.read()).decode())
     assert json.loads(frames[-2][6:])["error"]["code"] == "req_1f2e3d"
+    span = last_tree(exporter).attrs
+    assert (span["http.response.status_code"], span["error.type"]) == (200, "400")
     line = await access_line(p, capfd)
     assert (line["status"], line["error"]) == (200, "req_1f2e3d")
     assert operations(p) == {("400", "r0"): 1}
