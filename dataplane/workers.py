@@ -49,12 +49,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from dataplane import jsonio
 from dataplane.http.dispatch import for_routes
 from dataplane.http.edge import LISTEN_BACKLOG
 from dataplane.http.errors import ApiError
+from dataplane.http.scrape import scrape_answer
 from dataplane.settings import Settings, WorkerSlot
 from dataplane.supervisor import (
     linking_path,
@@ -185,7 +186,10 @@ async def ask_sibling(path: Path, route: str) -> SiblingAnswer | None:
     try:
         async with (
             aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-            session.get(f"http://worker{route}") as resp,
+            # Not compressed: the text is read here (and merged), not sent on.
+            session.get(
+                f"http://worker{route}", headers={hdrs.ACCEPT_ENCODING: "identity"}
+            ) as resp,
         ):
             return SiblingAnswer(resp.status, await resp.read())
     except aiohttp.ClientConnectorError:
@@ -256,7 +260,7 @@ def group_views(
                 )
         return own
 
-    async def metrics(own: web.StreamResponse) -> web.StreamResponse:
+    async def metrics(request: web.Request, own: web.StreamResponse) -> web.StreamResponse:
         body = own.body if isinstance(own, web.Response) else None
         if own.status != 200 or not isinstance(body, bytes):
             return own
@@ -281,7 +285,8 @@ def group_views(
             if (text := _body(answer)) is not None:
                 found.append((index, pid, text))
         merged = merge_expositions(sorted(parts.items()), found)
-        return web.Response(body=merged, headers={"content-type": own.headers["content-type"]})
+        # Compressed as the scraper asked, as a worker's own answer is.
+        return scrape_answer(request, merged)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -293,7 +298,7 @@ def group_views(
         except ApiError as exc:
             exc.headers.update(me)
             raise
-        answer = await (ready(own) if route == READY_ROUTE else metrics(own))
+        answer = await (ready(own) if route == READY_ROUTE else metrics(request, own))
         answer.headers.update(me)
         return answer
 

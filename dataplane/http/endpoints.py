@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from dataplane import jsonio
 from dataplane.http.errors import (
@@ -16,6 +15,7 @@ from dataplane.http.errors import (
     no_route_table,
 )
 from dataplane.http.pipeline import authenticate_waiting, refuse_suspended, sole_authorization
+from dataplane.http.scrape import scrape_answer
 from dataplane.http.state import CLIENT, DRAINING, HOLDER, METRICS, PIPELINE, PRINCIPAL, QUOTA
 from dataplane.metrics import exposition
 
@@ -158,8 +158,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = exposition(request.app[METRICS].registry)
-    return web.Response(body=data, headers={"content-type": CONTENT_TYPE_LATEST})
+    return scrape_answer(request, exposition(request.app[METRICS].registry))
 
 
 def _dumps_str(value: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gzip
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ from dataplane.settings import WorkerSlot, as_worker, available_cores, parse, qu
 from dataplane.stopsignals import HELD_SIGNALS, LEAVE_SIGNAL
 from dataplane.streaming.usage import Usage
 from dataplane.supervisor import Group
+from tests.unit.test_scrape import PROMETHEUS
 
 BASE = ["--control-plane", "127.0.0.1:7000", "--region", "us-east", "--name", "p"]
 
@@ -1005,6 +1007,23 @@ async def test_metrics_from_any_worker_show_every_worker(tmp_path: Path) -> None
         # A sibling asking over the private socket gets this worker's own series.
         own = await get_private(tmp_path / "run", 1, "/metrics")
         assert b'worker="' not in own and b'ponto_requests_total{code="200",endpoint="work"}' in own
+
+
+async def test_a_group_scrape_is_gzip_when_prometheus_asks(tmp_path: Path) -> None:
+    """The group's view is compressed as a worker's own is (Prometheus sends
+    `Accept-Encoding: gzip`), its siblings' parts read as text."""
+    async with group(tmp_path, 2, running=(0, 1)) as ws:
+        for index, count in ((0, 2), (1, 7)):
+            ws[index].metrics.requests.labels("work", "200").inc(count)
+        async with (
+            aiohttp.ClientSession(auto_decompress=False) as s,
+            s.get(f"http://127.0.0.1:{ws[1].port}/metrics", headers=PROMETHEUS) as r,
+        ):
+            assert r.status == 200
+            assert (r.headers["Content-Encoding"], r.headers["x-ponto-worker"]) == ("gzip", "1")
+            text = gzip.decompress(await r.read())
+    assert requests_by_worker(text) == {"0": 2.0, "1": 7.0}
+    assert b'ponto_worker_up{worker="0"} 1.0' in text
 
 
 async def test_a_worker_without_a_table_makes_the_group_unready(tmp_path: Path) -> None:
