@@ -295,7 +295,9 @@ def completion_bound(
 
 
 # The fields that ask for several completions, per endpoint, as validation
-# bounds them (fields.ENDPOINT_RULES: n to 128, best_of to 20). No other:
+# bounds them (fields.ENDPOINT_RULES: n and best_of to 2**31 - 1, so that a
+# bound times them stays within 64 bits; a budget is charged no more than its
+# whole beforehand: limiter._expected). No other:
 # a Responses request's `n` or a chat's `best_of`, neither the API's field
 # nor bounded, was charged as that many answers (review: `n: 1000` held a
 # whole day's budget while it ran, and once any of it was spent was refused

@@ -380,7 +380,7 @@ BAD = [
     ("max_tokens fractional", KEY.key, {"json": chat("x", max_tokens=1.5)}, 400, None),
     ("max_tokens huge", KEY.key, {"json": chat("x", max_tokens=10**30)}, 400, None),
     ("n zero", KEY.key, {"json": chat("x", n=0)}, 400, None),
-    ("temperature 3", KEY.key, {"json": chat("x", temperature=3)}, 400, None),
+    ("temperature negative", KEY.key, {"json": chat("x", temperature=-1)}, 400, None),
     ("prompt_cache_key a number", KEY.key, {"json": chat("x", prompt_cache_key=123)}, 400, None),
     ("user an object", KEY.key, {"json": chat("x", user={"id": 1})}, 400, None),
 ]  # fmt: skip

@@ -10,7 +10,6 @@ documented field, and each of them with one field made wrong.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from ponto.apikeys import issue_key
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_pipeline import COMPLETION, MODEL, Stack, error_of, start_stack
-from tests.logcheck import errors
 
 PLAIN, PROMPTED, ENFORCED, CAPPED = issue_key(), issue_key(), issue_key(), issue_key()
 CEILING = 10
@@ -290,44 +288,11 @@ async def test_deep_json_is_a_400_in_any_field(proxy: Proxy, depth: int) -> None
         assert "levels deep" in err["message"]
 
 
-async def test_a_tool_conversation_out_of_order_is_refused_once_and_reaches_no_origin(
-    proxy: Proxy, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Trial 64: these reached the origin, which (OpenAI) answers 400 at once.
-    The client's own index, whatever the tenant's system prompt adds."""
-    caplog.set_level(logging.INFO)
-    calls = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-        ],
-    }
-    user = {"role": "user", "content": "weather?"}
-    for messages, param in (
-        ([user, {"role": "tool", "tool_call_id": "call_x", "content": "sun"}], "messages.[1].role"),
-        ([user, calls, user], "messages.[1].role"),
-        ([user, calls, {"role": "tool", "tool_call_id": "call_y", "content": "sun"}],
-         "messages.[2].tool_call_id"),
-    ):  # fmt: skip
-        caplog.clear()
-        raw = orjson.dumps({"model": MODEL, "messages": messages})
-        err = await refused(proxy, "/v1/chat/completions", raw, PROMPTED.key)
-        assert (err["param"], err["type"], err["code"]) == (param, "invalid_request_error", None)
-        said = [r for r in caplog.records if r.name == "ponto.refusals"]
-        assert len(said) == 1 and said[0].levelno == logging.INFO and said[0].exc_info is None
-        assert not errors(caplog.records, tracebacks=True)
-    answered = [user, calls, {"role": "tool", "tool_call_id": "call_x", "content": "sun"}]
-    resp = await proxy.post(
-        "/v1/chat/completions", orjson.dumps({"model": MODEL, "messages": answered})
-    )
-    assert resp.status == 200, await resp.text()
-
-
 # ---------------------------------------------------------------- generated requests
 
 text = st.text(max_size=12)
-tool_names = st.from_regex(r"[a-zA-Z0-9_-]{1,64}", fullmatch=True)
+# Any name: OpenAI takes ^[a-zA-Z0-9_-]{1,64}$, vLLM any (`server.tool`).
+tool_names = st.text(min_size=1, max_size=80)
 parts = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, text),
     st.builds(
@@ -341,7 +306,7 @@ parts = st.one_of(
         st.sampled_from(["wav", "mp3"]),
     ),
 )
-content = text | st.lists(parts, min_size=1, max_size=3)
+content = text | st.lists(parts, max_size=3)
 tool_call = st.builds(
     lambda i, name: {
         "id": i,
@@ -359,16 +324,19 @@ plain_turn = st.builds(
 
 
 def answered(calls: list[dict[str, Any]]) -> st.SearchStrategy[list[dict[str, Any]]]:
-    """An assistant turn making `calls`, then a tool turn answering each, in any order."""
-    return st.permutations(calls).map(
-        lambda order: [
+    """An assistant turn making `calls`, then tool turns answering some of
+    them (or calls of no turn), in any order: their order is the origin's
+    to judge (OpenAI refuses calls left unanswered; vLLM takes them)."""
+    answers = st.lists(st.sampled_from([c["id"] for c in calls]) | text, max_size=3)
+    return answers.map(
+        lambda ids: [
             {"role": "assistant", "content": None, "tool_calls": calls},
-            *({"role": "tool", "tool_call_id": c["id"], "content": "done"} for c in order),
+            *({"role": "tool", "tool_call_id": i, "content": "done"} for i in ids),
         ]
     )
 
 
-# A conversation: plain turns, and tool calls each followed by their answers.
+# A conversation: plain turns, and tool calls with answers, in any order.
 conversation = st.lists(
     plain_turn.map(lambda turn: [turn])
     | st.lists(tool_call, min_size=1, max_size=2).flatmap(answered),
@@ -388,20 +356,21 @@ tool = st.builds(
     ),
 )
 OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
-    "temperature": st.floats(0, 2) | st.integers(0, 2),
+    # OpenAI's bounds (2, 128, +-100, 128 tools, 16 keys) are the origin's.
+    "temperature": st.floats(0, 1e6) | st.integers(0, 10),
     "top_p": st.floats(0, 1),
-    "n": st.integers(1, 128),
+    "n": st.integers(1, 2**31 - 1),
     "stop": text | st.lists(text, max_size=8),
     "max_tokens": st.integers(1, 2**31 - 1),
     "max_completion_tokens": st.integers(1, 2**31 - 1),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(
-        st.integers(0, 200_000).map(str), st.integers(-100, 100), max_size=3
+        st.integers(0, 200_000).map(str), st.integers(-1000, 1000), max_size=3
     ),
     "seed": st.integers(-(2**63), 2**63 - 1),
     "logprobs": st.booleans(),
-    "tools": st.lists(tool, min_size=1, max_size=3),
+    "tools": st.lists(tool, min_size=1, max_size=3) | st.lists(tool, min_size=129, max_size=130),
     "parallel_tool_calls": st.booleans(),
     "response_format": st.sampled_from(
         [
@@ -413,7 +382,7 @@ OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
     "stream": st.booleans(),
     "user": text,
     "prompt_cache_key": text,
-    "metadata": st.dictionaries(st.text(max_size=64), st.text(max_size=20), max_size=16),
+    "metadata": st.dictionaries(st.text(max_size=80), st.text(max_size=20), max_size=20),
     "service_tier": st.sampled_from(["auto", "default", "flex", "priority"]),
     "reasoning_effort": st.sampled_from(["minimal", "low", "medium", "high"]),
     "store": st.booleans(),
@@ -464,35 +433,13 @@ def in_last_message(name: str, value: Any) -> Mutation:
     return mutate
 
 
-def answering_no_call(body: dict[str, Any]) -> str:
-    """A tool turn at the end answering a call no turn made (generated ids are
-    shorter): out of place after any but a tool or calling turn."""
-    last = body["messages"][-1]
-    i = len(body["messages"])
-    body["messages"].append({"role": "tool", "tool_call_id": "call_never_made", "content": "x"})
-    if last["role"] == "tool" or last.get("tool_calls"):
-        return f"messages.[{i}].tool_call_id"
-    return f"messages.[{i}].role"
-
-
-def interrupting_calls(body: dict[str, Any]) -> str:
-    """A user turn between calls and their answers."""
-    i = len(body["messages"])
-    body["messages"] += [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "user", "content": "never mind"},
-    ]  # fmt: skip
-    return f"messages.[{i}].role"
-
-
 MUTATIONS = [
     setting("model", 5),
     setting("model", ""),
     setting("messages", "hi"),
     setting("messages", []),
     setting("temperature", "hot"),
-    setting("temperature", 2.5),
+    setting("temperature", -0.5),
     setting("temperature", True),
     setting("top_p", -0.5),
     setting("n", "2"),
@@ -504,17 +451,13 @@ MUTATIONS = [
     setting("max_completion_tokens", 2**31),
     setting("presence_penalty", 2.5),
     setting("frequency_penalty", [0]),
-    setting("logit_bias", {"1": 200}, "logit_bias.1"),
+    setting("logit_bias", {"1": "high"}, "logit_bias.1"),
     setting("logit_bias", "none"),
     setting("seed", 0.5),
     setting("seed", "7"),
     setting("logprobs", "yes"),
     setting("tools", {"name": "f"}),
-    setting(
-        "tools",
-        [{"type": "function", "function": {"name": "not allowed"}}],
-        "tools[0].function.name",
-    ),
+    setting("tools", [{"type": "function", "function": {"name": 5}}], "tools[0].function.name"),
     setting("tool_choice", "sometimes"),
     setting("parallel_tool_calls", 1),
     setting("response_format", {"type": "yaml"}, "response_format.type"),
@@ -528,8 +471,6 @@ MUTATIONS = [
     in_last_message("role", "wizard"),
     in_last_message("content", 5),
     in_last_message("name", 5),
-    answering_no_call,
-    interrupting_calls,
 ]
 
 

@@ -22,7 +22,7 @@ from dataplane.http.fields import (
     _WALK_MAX,
     ENDPOINT_RULES,
     MAX_DEPTH,
-    MAX_TOOLS,
+    MAX_INT,
     brackets_of,
     check_depth,
     check_fields,
@@ -139,6 +139,37 @@ GOOD = [
     # So are more stop sequences than OpenAI's 4 (vLLM takes any number).
     ("chat.completions", chat(stop=["a"] * 5)),
     ("completions", completion(stop=[str(i) for i in range(64)])),
+    # OpenAI's policy limits that vLLM does not share are the origin's to
+    # judge (trial 97: each was refused, and answered by vLLM directly).
+    ("chat.completions", chat(temperature=2.5, n=129, logit_bias={"1": 150, "2": -1000.5})),
+    ("chat.completions", chat(temperature=1e30, n=MAX_INT)),
+    ("completions", completion(temperature=3, n=200, best_of=MAX_INT)),
+    ("responses", response(temperature=7.5, max_tool_calls=0)),
+    ("chat.completions", chat(tools=[TOOL] * 129)),
+    ("responses", response(tools=[{"type": "function", "name": "f"}] * 129)),
+    # MCP servers' tools are named `server.tool`; vLLM takes any name.
+    ("chat.completions", chat(
+        tools=[{"type": "function", "function": {"name": "github.search issues"}},
+               {"type": "function", "function": {"name": "f" * 65}},
+               {"type": "custom", "custom": {"name": "fs.grep"}}],
+        tool_choice={"type": "function", "function": {"name": "github.search issues"}},
+        response_format={"type": "json_schema", "json_schema": {"name": "a b.c"}},
+        functions=[{"name": "x.y"}],
+    )),
+    ("responses", response(
+        tools=[{"type": "function", "name": "a.b"}, {"type": "custom", "name": "c d"}],
+        tool_choice={"type": "function", "name": "a.b"},
+        text={"format": {"type": "json_schema", "name": "out.v2", "schema": {}}},
+    )),
+    ("chat.completions", chat(
+        metadata={f"k{i}": "v" * 600 for i in range(17)} | {"k" * 65: "v"},
+        user="u" * 5000, safety_identifier="s" * 5000, prompt_cache_key="p" * 5000,
+    )),
+    ("responses", response(metadata={f"k{i}": "v" for i in range(17)}, user="u" * 5000)),
+    # An empty content array is an empty text to vLLM; `functions: []` none.
+    ("chat.completions", chat(messages=[{"role": "user", "content": []}], functions=[])),
+    ("embeddings", embedding(input=["x"] * 2049)),
+    ("rerank", rerank(documents=["x"] * 10_001)),
     ("completions", completion(logprobs=1 << 20)),
     ("chat.completions", chat(logprobs=True, top_logprobs=50)),
     # vLLM: every token's logprobs, with --max-logprobs -1 (review 307).
@@ -229,7 +260,6 @@ BAD = [
     (C, chat(messages=[{"role": "assistant", "audio": None}]), "messages[0].content", M),
     (C, chat(messages=[{"role": "assistant", "audio": {}}]), "messages[0].audio.id", M),
     (C, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", T),
-    (C, chat(messages=[{"role": "user", "content": []}]), "messages[0].content", "empty_array"),
     (C, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
      "messages[0].content[0].type", M),
     (C, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
@@ -266,13 +296,13 @@ BAD = [
     # sampling and limits
     (C, chat(temperature="hot"), "temperature", T),
     (C, chat(temperature=True), "temperature", T),
-    (C, chat(temperature=2.5), "temperature", "decimal_above_max_value"),
     (C, chat(temperature=-0.1), "temperature", "decimal_below_min_value"),
     (C, chat(top_p=1.01), "top_p", "decimal_above_max_value"),
     (C, chat(n="2"), "n", T),
     (C, chat(n=0), "n", "integer_below_min_value"),
-    (C, chat(n=129), "n", "integer_above_max_value"),
     (C, chat(n=1.0), "n", T),
+    # Past 32 bits: a budget multiplies the token limit by it.
+    (C, chat(n=MAX_INT + 1), "n", "integer_above_max_value"),
     (C, chat(max_tokens=0), "max_tokens", "integer_below_min_value"),
     (C, chat(max_tokens=10**30), "max_tokens", "integer_above_max_value"),
     (C, chat(max_completion_tokens="5"), "max_completion_tokens", T),
@@ -280,7 +310,7 @@ BAD = [
     (C, chat(frequency_penalty="x"), "frequency_penalty", T),
     (C, chat(logit_bias=[1]), "logit_bias", T),
     (C, chat(logit_bias={"the": 1}), "logit_bias", V),
-    (C, chat(logit_bias={"1": 101}), "logit_bias.1", "decimal_above_max_value"),
+    (C, chat(logit_bias={"1": "high"}), "logit_bias.1", T),
     (C, chat(seed=1.5), "seed", T),
     (C, chat(seed="1"), "seed", T),
     (C, chat(seed=2**63), "seed", "integer_above_max_value"),
@@ -310,15 +340,11 @@ BAD = [
     (C, chat(tools=[{"type": "function"}]), "tools[0].function", M),
     (C, chat(tools=[{"function": {"name": "f"}}]), "tools[0].type", M),
     (C, chat(tools=[{"type": "plugin", "plugin": {}}]), "tools[0].type", V),
-    (C, chat(tools=[{"type": "function", "function": {"name": "get weather"}}]),
-     "tools[0].function.name", V),
-    (C, chat(tools=[{"type": "function", "function": {"name": "f" * 65}}]),
-     "tools[0].function.name", V),
     (C, chat(tools=[TOOL, {"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
      "tools[1].function.parameters", T),
     (C, chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
      "tools[0].function.strict", T),
-    (C, chat(tools=[TOOL] * 129), "tools", "array_above_max_length"),
+    (C, chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools[0].function.name", T),
     (C, chat(tool_choice="sometimes", tools=[TOOL]), "tool_choice", V),
     (C, chat(tool_choice=1, tools=[TOOL]), "tool_choice", T),
     (C, chat(tool_choice="required"), "tool_choice", V),
@@ -334,21 +360,15 @@ BAD = [
     (C, chat(response_format={"type": "json_schema"}), "response_format.json_schema", M),
     (C, chat(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
      "response_format.json_schema.name", M),
-    (C, chat(response_format={"type": "json_schema", "json_schema": {"name": "a b"}}),
-     "response_format.json_schema.name", V),
     (C, chat(stream="yes"), "stream", T),
     (C, chat(stream_options={"include_usage": True}), "stream_options", V),
     (C, chat(stream=True, stream_options="yes"), "stream_options", T),
     (C, chat(stream=True, stream_options={"include_usage": "yes"}),
      "stream_options.include_usage", T),
     (C, chat(user={"id": 1}), "user", T),
-    (C, chat(user="u" * 1025), "user", "string_above_max_length"),
     (C, chat(prompt_cache_key=123), "prompt_cache_key", T),
     (C, chat(metadata=[]), "metadata", T),
     (C, chat(metadata={"k": 1}), "metadata.k", T),
-    (C, chat(metadata={"k": "v" * 513}), "metadata.k", "string_above_max_length"),
-    (C, chat(metadata={"k" * 65: "v"}), "metadata", V),
-    (C, chat(metadata={f"k{i}": "v" for i in range(17)}), "metadata", V),
     (C, chat(service_tier="gold"), "service_tier", V),
     (C, chat(modalities=["smell"]), "modalities[0]", V),
     (C, chat(reasoning_effort="max"), "reasoning_effort", V),
@@ -364,8 +384,8 @@ BAD = [
     (P, completion(prompt=[[1], ["a"]]), "prompt[1][0]", T),
     (P, completion(prompt=[True]), "prompt[0]", T),
     (P, completion(echo="yes"), "echo", T),
-    (P, completion(best_of=21), "best_of", "integer_above_max_value"),
     (P, completion(best_of=2, n=3), "best_of", V),
+    (P, completion(best_of=MAX_INT + 1), "best_of", "integer_above_max_value"),
     (P, completion(logprobs=True), "logprobs", T),
     (P, completion(logprobs=(1 << 20) + 1), "logprobs", "integer_above_max_value"),
     (P, completion(logprobs=-1), "logprobs", "integer_below_min_value"),
@@ -378,7 +398,6 @@ BAD = [
     (E, embedding(input=[]), "input", "empty_array"),
     (E, embedding(input=["a", ""]), "input[1]", "empty_string"),
     (E, embedding(input={"text": "a"}), "input", T),
-    (E, embedding(input=["x"] * 2049), "input", "array_above_max_length"),
     (E, embedding(encoding_format="hex"), "encoding_format", V),
     (E, embedding(dimensions=0), "dimensions", "integer_below_min_value"),
     (E, embedding(dimensions="256"), "dimensions", T),
@@ -394,7 +413,6 @@ BAD = [
     # Jina's and Cohere v1's document objects, which vLLM refuses.
     (K, rerank(documents=["Paris", {"text": "Rome"}]), "documents[1]", T),
     (K, rerank(documents=["Paris", None]), "documents[1]", T),
-    (K, rerank(documents=["x"] * 10_001), "documents", "array_above_max_length"),
     (K, rerank(top_n="3"), "top_n", T),
     (K, rerank(top_n=2.5), "top_n", T),
     (K, rerank(return_documents="yes"), "return_documents", T),
@@ -416,7 +434,8 @@ BAD = [
     (R, response(temperature="hot"), "temperature", T),
     (R, response(top_p=2), "top_p", "decimal_above_max_value"),
     (R, response(tools=[{"type": "function"}]), "tools[0].name", M),
-    (R, response(tools=[{"type": "function", "name": "a b"}]), "tools[0].name", V),
+    (R, response(tools=[{"type": "function", "name": ["a"]}]), "tools[0].name", T),
+    (R, response(max_tool_calls=1.5), "max_tool_calls", T),
     (R, response(tools=[{"type": "function", "name": "f"}],
                  tool_choice={"type": "function", "name": "g"}), "tool_choice", V),
     (R, response(tool_choice="required"), "tool_choice", V),
@@ -716,7 +735,7 @@ WRONG: dict[str, dict[str, list[Any]]] = {
         "echo": ["yes", 1],
         "suffix": [1],
         "logprobs": [(1 << 20) + 1, "1", True],
-        "temperature": ["hot", 3],
+        "temperature": ["hot", -1],
         "max_tokens": [-1, "1"],
         "seed": [0.5],
         "stop": [5, {}],
@@ -732,7 +751,7 @@ WRONG: dict[str, dict[str, list[Any]]] = {
         "input": [5, {}],
         "instructions": [1],
         "max_output_tokens": [0, "1"],
-        "temperature": ["hot", 2.5],
+        "temperature": ["hot", -0.5],
         "top_p": [2],
         "store": ["yes"],
         "truncation": ["sometimes"],
@@ -841,19 +860,6 @@ def answer(call_id: str) -> dict[str, str]:
     return {"role": "tool", "tool_call_id": call_id, "content": "1"}
 
 
-NOT_A_RESPONSE = (
-    "Invalid parameter: messages with role 'tool' must be a response to a preceeding message "
-    "with 'tool_calls'."
-)
-
-
-def unanswered(ids: str) -> str:
-    return (
-        "An assistant message with 'tool_calls' must be followed by tool messages responding to "
-        f"each 'tool_call_id'. The following tool_call_ids did not have response messages: {ids}"
-    )
-
-
 @pytest.mark.parametrize(
     "messages",
     [
@@ -871,9 +877,19 @@ def unanswered(ids: str) -> str:
         # vLLM's own answer, sent back as a turn (review: refused as OpenAI does).
         [USER, {"role": "assistant", "content": "Hello!", "tool_calls": [],
                 "reasoning_content": None}, USER],
+        # Out of OpenAI's order, which vLLM leaves to the chat template
+        # (trial 97: an agent's history with a call left unanswered).
+        [USER, ASKED, USER],
+        [USER, ASKED, answer("call_b"), SAID],
+        [USER, ASKED, answer("call_a"), ASKED_AGAIN],
+        [answer("call_a")],
+        [USER, SAID, answer("call_a")],
+        [USER, ASKED, answer("call_c")],
+        [USER, ASKED, answer("call_a"), answer("call_b"), ASKED_AGAIN, answer("call_a")],
+        [USER, ASKED, {"role": "function", "name": "f", "content": "1"}],
     ],
 )  # fmt: skip
-def test_tool_conversations_in_order_pass(messages: list[dict[str, Any]]) -> None:
+def test_tool_conversations_in_any_order_pass(messages: list[dict[str, Any]]) -> None:
     check_fields(C, chat(messages=messages, tools=[TOOL]), False)
 
 
@@ -912,54 +928,10 @@ def test_no_tools_may_be_an_empty_list() -> None:
     check_fields(C, chat(tools=[], tool_choice="auto"), False)
 
 
-@pytest.mark.parametrize(
-    ("messages", "param", "message"),
-    [
-        ([answer("call_a")], "messages.[0].role", NOT_A_RESPONSE),
-        ([USER, answer("call_a")], "messages.[1].role", NOT_A_RESPONSE),
-        ([USER, SAID, answer("call_a")], "messages.[2].role", NOT_A_RESPONSE),
-        # Another turn between the calls and the answer.
-        ([USER, ASKED, answer("call_a"), answer("call_b"), USER, answer("call_a")],
-         "messages.[5].role", NOT_A_RESPONSE),
-        ([USER, ASKED, answer("call_c")], "messages.[2].tool_call_id",
-         "Invalid parameter: 'tool_call_id' of 'call_c' not found in 'tool_calls' of previous "
-         "message."),
-        # A call of an earlier turn than the one just before.
-        ([USER, ASKED, answer("call_a"), answer("call_b"), ASKED_AGAIN, answer("call_a")],
-         "messages.[5].tool_call_id",
-         "Invalid parameter: 'tool_call_id' of 'call_a' not found in 'tool_calls' of previous "
-         "message."),
-        ([USER, ASKED, USER], "messages.[1].role", unanswered("call_a, call_b")),
-        ([USER, ASKED, answer("call_b"), SAID], "messages.[1].role", unanswered("call_a")),
-        ([USER, ASKED, answer("call_a"), ASKED_AGAIN], "messages.[1].role", unanswered("call_b")),
-        ([USER, ASKED, {"role": "function", "name": "f", "content": "1"}], "messages.[1].role",
-         unanswered("call_a, call_b")),
-    ],
-)  # fmt: skip
-def test_tool_conversations_out_of_order_are_refused_in_openai_words(
-    messages: list[dict[str, Any]], param: str, message: str
-) -> None:
-    err = refusal(C, chat(messages=messages, tools=[TOOL]))
-    assert (err.param, err.code, err.message) == (param, None, message)
-
-
-def test_a_wrong_turn_before_a_tool_conversation_out_of_order_is_named_first() -> None:
+def test_a_wrong_turn_in_a_tool_conversation_is_named_wherever_it_stands() -> None:
     err = refusal(C, chat(messages=[{"role": "user", "content": 5}, answer("call_a")]))
     assert err.param == "messages[0].content"
     err = refusal(C, chat(messages=[answer("call_a"), {"role": "user", "content": 5}]))
-    assert err.param == "messages.[0].role"
-
-
-def test_unanswered_calls_are_all_listed() -> None:
-    """As OpenAI lists them (review: clients split the list to mend their
-    history); past MAX_TOOLS, the rest counted."""
-    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": ""}}
-             for i in range(10)]  # fmt: skip
-    turn = {"role": "assistant", "tool_calls": calls}
-    err = refusal(C, chat(messages=[USER, turn, answer("call_3"), USER]))
-    assert err.message == unanswered(", ".join(f"call_{i}" for i in range(10) if i != 3))
-    calls = [{**calls[0], "id": f"c{i}"} for i in range(MAX_TOOLS + 2)]
-    turn = {"role": "assistant", "tool_calls": calls}
-    err = refusal(C, chat(messages=[USER, turn, USER]))
-    shown = ", ".join(f"c{i}" for i in range(MAX_TOOLS))
-    assert err.message == unanswered(f"{shown} (and 2 more)")
+    assert err.param == "messages[1].content"
+    err = refusal(C, chat(messages=[USER, ASKED, {"role": "tool", "content": "1"}]))
+    assert (err.param, err.code) == ("messages[2].tool_call_id", M)
