@@ -1456,12 +1456,18 @@ class Pipeline:
         # The answering call's own usage, before hedges' and continuations'
         # prompts are added: what its origin's prefix cache held is of it alone.
         own = ex.usage if ex.counter is None else ex.counter.usage
-        usage = ex.usage = spent(ex)
+        usage = spent(ex)
+        if usage is None and not ex.attempts:
+            # No count, and no origin was sent the prompt: its client left
+            # while it waited for the cache, a region's flight or a call to
+            # begin. Charged 0, the estimate back, as a follower and a hit are
+            # (review 424: a region's follower kept it, shown nowhere).
+            usage = Usage(0, 0)
         if ex.admission is not None:
             # None keeps the estimate, and teaches the budgets nothing of the
             # completions to expect (a count would: one of 0 here).
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
-        if usage is None and ex.attempts:
+        if usage is None:
             # No count, though an origin was sent the prompt (a whole answer
             # without `usage`, or a client that left before any answer: a
             # phone's timeout and each of its SDK's retries): the limits and
@@ -1469,9 +1475,9 @@ class Pipeline:
             # show it, as the proxy's (trial 98: 3 timed-out retries of a long
             # prompt took 15,024 tokens of the day's budget that neither saw;
             # billing trial 76: what is charged is what they show).
-            usage = ex.usage = Usage(ex.estimate, 0, exact=False)
-        if usage is not None:
-            self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
+            usage = Usage(ex.estimate, 0, exact=False)
+        ex.usage = usage
+        self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
         if own is not None and own.cached_tokens is not None and ex.origin and not ex.continued:
             # A continued stream's usage sums calls to several origins.
             self.metrics.account_prefix_cache(ex.origin, own)

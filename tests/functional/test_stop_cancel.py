@@ -32,7 +32,7 @@ from dataplane.cache.coalesce import Coalescer, Follower, Leader
 from dataplane.http.edge import EdgeRunner
 from dataplane.http.pipeline import ENDPOINTS, Exchange
 from dataplane.http.reply import follow
-from dataplane.http.state import DRAINING, HOLDER, METRICS, Draining, stopping
+from dataplane.http.state import DRAINING, HOLDER, METRICS, PIPELINE, Draining, stopping
 from dataplane.policy import build_policy
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import build_routes
@@ -325,6 +325,53 @@ async def test_a_whole_answer_whose_client_left_before_it_is_shown_at_its_estima
     for name in ("ponto_tenant_tokens_total", "ponto_tenant_estimated_tokens_total"):
         assert get(name, {**who, "kind": "prompt"}) == estimate > 0
         assert get(name, {**who, "kind": "completion"}) is None
+
+
+class WaitingRegion:
+    """A region where another proxy leads every flight and never answers: a
+    whole answer's request waits for it (EdgeCache._lead) as long as its
+    client does, and no origin is called."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+
+    async def claim(self, key: str, tenant: str, model: str) -> bool:
+        return False
+
+    async def follow(self, key: str, tenant: str, model: str, *, max_wait_s: float) -> None:
+        self.waiting.set()
+        await asyncio.sleep(3600)
+
+
+async def test_a_request_whose_client_left_before_any_origin_call_is_charged_nothing(
+    proxy: Stopping, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its client left while it followed another proxy's flight (a region's
+    follower), before any origin had its prompt: charged 0, as a follower
+    of this proxy's flight and a cache hit are. It kept the prompt's
+    estimate against its key's budgets and limits, which neither its access
+    line nor the metrics showed (review 424)."""
+    t = table([("o1", proxy.origin_url)], version=2, limited=False)
+    t.keys[0].limits.CopyFrom(pb.Limits(tokens_per_day=100_000))
+    t.etag = content_etag(t)
+    proxy.app[HOLDER].apply(t, "control-plane")
+    region = WaitingRegion()
+    monkeypatch.setattr(proxy.app[PIPELINE].cache, "region", region)
+    body = chat("word " * 200)  # a whole answer, keyed: it claims the region's flight
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(session.post(proxy.url, json=body, headers=HEADERS))
+        await asyncio.wait_for(region.waiting.wait(), WAIT)
+        call.cancel()  # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    get = proxy.app[METRICS].registry.get_sample_value
+    await until(
+        lambda: get("ponto_requests_total", {"endpoint": "chat.completions", "code": "499"}) == 1
+    )
+    assert proxy.origin_calls == []
+    # Only scopes charged tokens this month are counted: none.
+    assert proxy.app[PIPELINE].limiter.counts() == {}
+    assert get("ponto_tenant_tokens_total", {"tenant": "acme", "kind": "prompt"}) is None
 
 
 async def test_a_follower_whose_client_left_is_charged_nothing(proxy: Stopping) -> None:
