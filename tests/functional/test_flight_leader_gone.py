@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dataplane.http.state import HOLDER, METRICS, PIPELINE
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS, PIPELINE
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from ponto.quota_types import tenant_scope
 from ponto.routetable import content_etag
 from ponto.v1 import routing_pb2 as pb
@@ -57,7 +58,8 @@ class Origin:
     """Streams FRAMES, each once the test lets it out (`let`); says how many
     calls it had, and whether it streamed to the end or its caller left."""
 
-    def __init__(self, *, late_head: bool = False) -> None:
+    def __init__(self, *, late_head: bool = False, frames: list[bytes] = FRAMES) -> None:
+        self.frames = frames
         self.calls = 0
         self.allowed = asyncio.Semaphore(0)
         self.finished = False
@@ -78,7 +80,7 @@ class Origin:
                 await self.allowed.acquire()
             out = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await out.prepare(request)
-            for frame in FRAMES:
+            for frame in self.frames:
                 await self.allowed.acquire()
                 await out.write(frame)
         except (asyncio.CancelledError, ConnectionError):
@@ -153,11 +155,13 @@ async def clients() -> AsyncIterator[list[Client]]:
         await c.leave()
 
 
-async def led_and_followed(start: Start, clients: list[Client], *flags: str) -> Any:
-    """An origin; client A leading its flight with 3 events read; client B
-    following it (the 3 events in hand); then A gone, and its request
-    counted as the 499 it is."""
-    origin = Origin()
+async def led_and_followed(
+    start: Start, clients: list[Client], *flags: str, origin: Origin | None = None
+) -> Any:
+    """An origin (`origin`, else one of FRAMES); client A leading its flight
+    with 3 events read; client B following it (the 3 events in hand); then A
+    gone, and its request counted as the 499 it is."""
+    origin = origin or Origin()
     edge = await start(origin, *flags)
     leader, follower = Client(edge), Client(edge)
     clients.extend((leader, follower))
@@ -216,6 +220,55 @@ async def test_a_leader_whose_client_leaves_goes_on_for_its_follower(
     await until(lambda: in_flight(edge) == 0)
     assert edge.sample("ponto_tenant_tokens_total", completion) == len(WORDS)
     assert coalesced_hits(edge) == (1, 2)  # the follower; the follower and the replay
+
+
+# The origin's count, at its stream's end (as asked: stream_options).
+USAGE = {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+COUNTED = [
+    *FRAMES[:-1],
+    b"data: "
+    + json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": MODEL,
+            "choices": [],
+            "usage": USAGE,
+        }
+    ).encode()
+    + b"\n\n",
+    FRAMES[-1],
+]
+
+
+async def test_a_leader_whose_client_left_shows_what_it_got_and_is_charged_every_token(
+    start: Start, clients: list[Client], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trial 98: its 499 line, written when its client left, has what was
+    relayed until then, the prompt estimated (the count comes at the end);
+    billing charges the origin's count of the whole stream, once it ends
+    (README, "Identical requests in flight"; the access log's
+    `tokens_estimated`)."""
+    origin = Origin(frames=COUNTED)
+    _, edge, follower = await led_and_followed(start, clients, "--access-log=on", origin=origin)
+    origin.let(len(COUNTED) - 3)
+    await follower.rest()
+    await until(lambda: in_flight(edge) == 0)
+    edge.app[ACCESS_LOG].flush()
+    lines = [json.loads(x) for x in capfd.readouterr().out.splitlines() if x.startswith("{")]
+    [left] = [x for x in lines if x["status"] == 499]
+    estimate = estimate_prompt_tokens("chat.completions", BODY)
+    assert estimate != USAGE["prompt_tokens"]
+    assert (left["input_tokens"], left["output_tokens"]) == (estimate, 3)
+    assert left["tokens_estimated"] is True
+    who = {"tenant": "acme", "key": KEY.key_id}
+    charged = [
+        edge.sample(name, {**who, "kind": kind})
+        for name in ("ponto_tenant_tokens_total", "ponto_tenant_estimated_tokens_total")
+        for kind in ("prompt", "completion")
+    ]
+    assert charged == [USAGE["prompt_tokens"], USAGE["completion_tokens"], None, None]
 
 
 async def left_while_followed(
