@@ -310,6 +310,7 @@ async def test_a_whole_answer_whose_client_left_before_it_is_shown_at_its_estima
     had the prompt of, as each of its retries did. The limits and budgets
     keep the prompt's estimate (no count: Admission.release(None)), and the
     metrics show it too, the proxy's; they showed nothing."""
+    with_day_budget(proxy)
     body = chat("left waiting", temperature=temperature)
     async with aiohttp.ClientSession() as session:
         call = asyncio.create_task(session.post(proxy.url, json=body, headers=HEADERS))
@@ -325,6 +326,16 @@ async def test_a_whole_answer_whose_client_left_before_it_is_shown_at_its_estima
     for name in ("ponto_tenant_tokens_total", "ponto_tenant_estimated_tokens_total"):
         assert get(name, {**who, "kind": "prompt"}) == estimate > 0
         assert get(name, {**who, "kind": "completion"}) is None
+    [spent] = proxy.app[PIPELINE].limiter.counts().values()
+    assert spent.day_tokens == estimate
+
+
+def with_day_budget(proxy: Stopping) -> None:
+    """The proxy's table again, its key with a day budget (counted from 0)."""
+    t = table([("o1", proxy.origin_url)], version=2, limited=False)
+    t.keys[0].limits.CopyFrom(pb.Limits(tokens_per_day=100_000))
+    t.etag = content_etag(t)
+    proxy.app[HOLDER].apply(t, "control-plane")
 
 
 class WaitingRegion:
@@ -351,10 +362,7 @@ async def test_a_request_whose_client_left_before_any_origin_call_is_charged_not
     of this proxy's flight and a cache hit are. It kept the prompt's
     estimate against its key's budgets and limits, which neither its access
     line nor the metrics showed (review 424)."""
-    t = table([("o1", proxy.origin_url)], version=2, limited=False)
-    t.keys[0].limits.CopyFrom(pb.Limits(tokens_per_day=100_000))
-    t.etag = content_etag(t)
-    proxy.app[HOLDER].apply(t, "control-plane")
+    with_day_budget(proxy)
     region = WaitingRegion()
     monkeypatch.setattr(proxy.app[PIPELINE].cache, "region", region)
     body = chat("word " * 200)  # a whole answer, keyed: it claims the region's flight
