@@ -807,8 +807,8 @@ class Pipeline:
                 except BaseException:
                     # Its client left (a 499) while it followed: a coalesced
                     # hit all the same, as the access log says, and charged
-                    # as one, 0 (trial 98: it kept the prompt's estimate).
-                    ex.usage = Usage(0, 0)
+                    # as one, 0: no origin was sent its prompt (`_settle`;
+                    # trial 98: it kept the prompt's estimate).
                     self.cache.count_coalesced()
                     raise
                 if followed is not None:
