@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -210,11 +211,17 @@ class Children:
     waits while a child is being started and registered, so `stop` always
     finds it. (Blocking the signals instead would block them in the child too:
     a child inherits the signal mask.)
+
+    `start` may be called from several threads at once (bench/affinity.py
+    starts its replicas four at a time): the set of children is replaced
+    under a lock, never changed in place, so a reader iterating over it
+    (`running`, `stop`, another `start`) never sees it change size.
     """
 
     def __init__(self) -> None:
-        self._live: set[subprocess.Popen[bytes]] = set()
-        self._starting = False
+        self._live: frozenset[subprocess.Popen[bytes]] = frozenset()
+        self._lock = threading.Lock()
+        self._starting = 0  # starts under way, in any thread
         self._pending: Callable[[], object] | None = None
 
     def guard(self, handler: Callable[[int, FrameType | None], object]) -> SignalHandler:
@@ -231,15 +238,20 @@ class Children:
     def start(
         self, argv: list[str], log: IO[bytes], env: dict[str, str]
     ) -> subprocess.Popen[bytes]:
-        """Popen, registered before a guarded signal handler can run."""
-        self._starting = True
+        """Popen, registered before a guarded signal handler can run; a
+        deferred handler runs once the last start under way ends, in the
+        thread of that start."""
+        with self._lock:
+            self._starting += 1
         try:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            self._live.difference_update([p for p in self._live if p.poll() is not None])
-            self._live.add(proc)
+            with self._lock:
+                self._live = frozenset(p for p in self._live if p.poll() is None) | {proc}
         finally:
-            self._starting = False
-        if self._pending is not None:
+            with self._lock:
+                self._starting -= 1
+                last = not self._starting
+        if last and self._pending is not None:
             pending, self._pending = self._pending, None
             pending()
         return proc
@@ -258,7 +270,7 @@ class Children:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout)
-        self._live.clear()
+        self._live = frozenset()
 
 
 children = Children()

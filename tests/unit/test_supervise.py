@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import pytest
 
@@ -260,3 +261,38 @@ def test_a_guarded_signal_handler_waits_until_the_child_is_registered(tmp_path: 
     assert seen == [1]
     children.stop()
     assert not children.running()
+
+
+def test_children_are_started_from_several_threads_at_once() -> None:
+    """While one start looks over the children (which have exited?), another
+    thread's start registers its own: both are kept, and neither fails
+    (bench/affinity.py: 'Set changed size during iteration')."""
+    children = devenv.Children()
+    outcomes: list[object] = []
+    threads: list[threading.Thread] = []
+
+    class Child:
+        def __init__(self, *args: object, **kw: object) -> None:
+            pass
+
+        def poll(self) -> int | None:
+            if not threads:
+                threads.append(threading.Thread(target=lambda: outcomes.append(start())))
+                threads[0].start()
+                threads[0].join(0.5)  # ends here unless it must wait for this start
+            return None
+
+    def start() -> object:
+        try:
+            return children.start([], cast(IO[bytes], None), {})
+        except RuntimeError as exc:
+            return exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "Popen", Child)
+        first = start()
+        second = start()  # looks over `first` while another thread starts one
+        threads[0].join(10)
+    assert isinstance(first, Child) and isinstance(second, Child), second
+    assert [type(o) for o in outcomes] == [Child], outcomes
+    assert set(children.running()) == {first, second, *outcomes}
