@@ -4,14 +4,20 @@ plane, four simulated replicas and three proxies in one region.
 Sessions stay on one replica whichever proxy they reach, also after a proxy
 restarts; a replica's death moves its sessions to one new replica with no
 failed request; a hot shared prefix spreads once its replica passes the load
-bound; the same session key from two tenants is two sessions.
+bound; a replica busy with requests no proxy sent (known only from the
+control plane's scrape) is avoided until they end; a drained replica moves
+only its own sessions, and its preamble's conversations stay on two replicas;
+the same session key from two tenants is two sessions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -144,7 +150,11 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
     assert {r.headers["x-ponto-route"] for r in alone} == {"prefix"}
     for i, first in enumerate(alone[:4]):
         later = [*question(i), {"role": "assistant", "content": "an answer"}, *user("more?")]
-        assert replica(ask(fleet, PROXIES[i % len(PROXIES)], later)) == replica(first)
+        r = ask(fleet, PROXIES[i % len(PROXIES)], later)
+        assert replica(r) == replica(first)
+        # ...where it finds the whole first turn's prompt in the KV cache.
+        blocks = first.json()["usage"]["prompt_tokens"] // 16
+        assert int(r.headers["x-sim-cached-tokens"]) >= 16 * blocks > 0
 
     # Sixteen at once on one proxy: those replicas fill to their capacity (2)
     # and their bounded share, and the rest spill to the prefix's next ones.
@@ -157,6 +167,132 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
     assert len(where) >= 3, where
     assert all(where[home] <= 8 for home in homes), where
     assert reasons["load"] >= 4, reasons
+
+
+@contextlib.contextmanager
+def busy(fleet: Fleet, name: str, count: int) -> Iterator[None]:
+    """Replica `name` running `count` requests that no proxy sent (straight
+    to its port, each stalled in its generation slot) until the block ends:
+    the proxies can know of them only from the control plane's scrape. Their
+    connections close at the end, which ends them at once."""
+    host, _, port = fleet.origins[name].address.rpartition(":")
+    body = json.dumps({"model": "sim-small", "messages": user("stalled"), "max_tokens": 1}).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\n"
+        f"host: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nx-sim-stall-ms: 600000\r\n\r\n"
+    ).encode()
+    with contextlib.ExitStack() as stack:
+        for _ in range(count):
+            conn = stack.enter_context(socket.create_connection((host, int(port)), timeout=10))
+            conn.sendall(head + body)
+        yield
+
+
+def on_every_proxy(check: Callable[[str], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait until `check(proxy)` holds for every proxy: for a load push to
+    reach each, about twice a second (a bound, not a figure)."""
+    deadline = time.monotonic() + timeout
+    for proxy in PROXIES:
+        while not check(proxy):
+            assert time.monotonic() < deadline, f"{proxy}: {what}"
+            time.sleep(0.1)
+
+
+def home(
+    fleet: Fleet, proxy: str, messages: list[dict[str, str]], session: str | None = None
+) -> str:
+    """The replica the request's key ranks first: asked again while it goes
+    elsewhere by load (an earlier test's requests, scraped before they
+    ended, may be pushed a second after)."""
+    deadline = time.monotonic() + 10
+    while True:
+        r = ask(fleet, proxy, messages, session=session)
+        if r.headers["x-ponto-route"] != "load":
+            return replica(r)
+        assert time.monotonic() < deadline, "never placed by its key alone"
+        time.sleep(0.1)
+
+
+def test_a_replica_busy_with_requests_no_proxy_sent_is_avoided(fleet: Fleet) -> None:
+    sessions = [f"busy-{i}" for i in range(24)]
+    placed = {s: home(fleet, "p0", user("before"), s) for s in sessions}
+    victim = Counter(placed.values()).most_common(1)[0][0]
+    mine = [s for s in sessions if placed[s] == victim]
+    others = [s for s in sessions if s not in mine]
+
+    def on(proxy: str, session: str) -> str:
+        return replica(ask(fleet, proxy, user("probe"), session=session))
+
+    with busy(fleet, victim, 6):
+        # Once a scrape of the six has reached the proxies, the victim is past
+        # its capacity (2) and its share of the region's load: its sessions
+        # go to their next rank, the same from every proxy, by `load`...
+        on_every_proxy(lambda p: on(p, mine[0]) != victim, f"never avoided {victim}")
+        for s in mine:
+            seen = [ask(fleet, p, user("busy"), session=s) for p in PROXIES]
+            homes = {replica(r) for r in seen}
+            assert len(homes) == 1 and victim not in homes, (s, homes)
+            assert {r.headers["x-ponto-route"] for r in seen} == {"load"}
+        # ...and the others' sessions stay where they were.
+        for s in others:
+            assert {on(p, s) for p in PROXIES} == {placed[s]}, s
+    # The stalled requests ended with their connections: once a scrape has
+    # said so, every session is back where it was.
+    on_every_proxy(lambda p: on(p, mine[0]) == victim, f"never came back to {victim}")
+    for s in sessions:
+        r = ask(fleet, "p2", user("after"), session=s)
+        assert (replica(r), r.headers["x-ponto-route"]) == (placed[s], "affinity")
+
+
+def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
+    sessions = [f"drain-{i}" for i in range(32)]
+    placed = {s: home(fleet, "p0", user("before"), s) for s in sessions}
+
+    def question(i: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "Drain test. " + PREAMBLE}, *user(f"q{i}?")]
+
+    convos = {i: home(fleet, "p1", question(i)) for i in range(24)}
+    homes = set(convos.values())
+    assert len(homes) == PREFIX_SPREAD, homes
+    # One of the preamble's two replicas leaves (neither crash nor probe:
+    # the table drops it at once).
+    victim = Counter(convos.values()).most_common(1)[0][0]
+    (kept,) = homes - {victim}
+    admin = fleet.admin()
+    admin.DrainOrigin(apb.DrainRequest(name=victim, drained=True), timeout=10)
+    try:
+        fleet.wait_proxies_at(
+            fleet.wait_table(lambda t: any(o.name == victim and o.drained for o in t.origins))
+        )
+        for s, was in placed.items():
+            now = {replica(ask(fleet, p, user("drained"), session=s)) for p in PROXIES}
+            assert len(now) == 1 and victim not in now, (s, now)
+            if was != victim:
+                assert now == {was}, (s, was, now)  # only the leaver's sessions move
+        # The preamble's conversations: its next replica takes the leaver's
+        # place beside the one that stays, so they are on two replicas
+        # again, the same from every proxy. (The two-level rendezvous also
+        # moves some of the staying replica's conversations to the new one:
+        # dataplane.placement.picker._within.)
+        after: dict[int, str] = {}
+        for i in convos:
+            now = {replica(ask(fleet, p, question(i))) for p in PROXIES}
+            assert len(now) == 1, (i, now)
+            after[i] = now.pop()
+        assert kept in set(after.values()) and len(set(after.values())) == PREFIX_SPREAD
+        assert victim not in after.values()
+    finally:
+        admin.DrainOrigin(apb.DrainRequest(name=victim, drained=False), timeout=10)
+    # Back in the table, it has all its sessions and conversations again:
+    # placement is a function of the table, not of what happened.
+    fleet.wait_proxies_at(
+        fleet.wait_table(lambda t: any(o.name == victim and not o.drained for o in t.origins))
+    )
+    for s, was in placed.items():
+        assert replica(ask(fleet, "p2", user("undrained"), session=s)) == was
+    for i, was in convos.items():
+        assert replica(ask(fleet, "p0", question(i))) == was
 
 
 def test_a_dead_replica_re_pins_its_sessions_with_no_failed_request(fleet: Fleet) -> None:
