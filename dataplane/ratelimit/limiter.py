@@ -233,12 +233,14 @@ class _Scope:
         "name",
         "peak",
         "req",
+        "req_high",
         "req_limit",
         "req_shown",
         "rps",
         "slots",
         "spare",
         "tok",
+        "tok_high",
         "tok_limit",
         "tok_shown",
         "tps",
@@ -275,6 +277,10 @@ class _Scope:
         self.gap = DEMAND_GAP_MAX_S
         self.req: TokenBucket | None = None
         self.tok: TokenBucket | None = None
+        # Each bucket's highest limit lowered from in the last minute, and
+        # until when it counts: what a raise gains above (_raised_from).
+        self.req_high: tuple[int, float] = (0, -INF)
+        self.tok_high: tuple[int, float] = (0, -INF)
         # A budgeted scope's: tokens this process charged it in the UTC day
         # and month (RateLimiter.set_day), since `epoch` (Spent), and the
         # leader's last count.
@@ -336,8 +342,10 @@ class _Scope:
         # capped at (RateLimiter._expected).
         budgets = [b for b in (limits.tokens_per_day, limits.tokens_per_month) if b]
         self.max_budget = float(min(budgets)) if budgets else INF
-        self.req = self._bucket(self.req, limits.rpm, was.rpm, now, self.fill_req)
-        self.tok = self._bucket(self.tok, limits.tpm, was.tpm, now, self.fill_tok)
+        req_from, self.req_high = _raised_from(self.req_high, was.rpm, limits.rpm, now)
+        tok_from, self.tok_high = _raised_from(self.tok_high, was.tpm, limits.tpm, now)
+        self.req = self._bucket(self.req, limits.rpm, req_from, now, self.fill_req)
+        self.tok = self._bucket(self.tok, limits.tpm, tok_from, now, self.fill_tok)
         if self.fraction > 0:
             self.fill_req = self.fill_tok = False
 
@@ -350,9 +358,10 @@ class _Scope:
         self.set_limits(self.limits, now)
 
     def _bucket(
-        self, bucket: TokenBucket | None, limit: int, was: int, now: float, fill: bool
+        self, bucket: TokenBucket | None, limit: int, raised_from: int, now: float, fill: bool
     ) -> TokenBucket | None:
-        """The bucket of a limit `limit` (None: none), that was `was`."""
+        """The bucket of a limit `limit` (None: none); above `raised_from`
+        (_raised_from) it is a raise."""
         if not limit:
             return None
         capacity = self.fraction * limit
@@ -361,14 +370,33 @@ class _Scope:
         bucket.resize(capacity, capacity / 60.0, now)
         if fill:
             bucket.level = capacity
-        elif limit > was:
+        elif limit > raised_from:
             # Raised: what was used of the old limit stays used, the rest of
             # the new one is there at once, as in one global bucket (the
             # proxies' shares of the raise sum to at most it); a tenant at
             # its old limit had waited for the refill. Lowered, resize's
             # clamp applies it at once. A share that grows adds nothing.
-            bucket.give(self.fraction * (limit - was), now)
+            bucket.give(self.fraction * (limit - raised_from), now)
         return bucket
+
+
+def _raised_from(
+    high: tuple[int, float], was: int, limit: int, now: float
+) -> tuple[int, tuple[int, float]]:
+    """What a bucket's limit changed from `was` to `limit` at `now` is raised
+    from, and the bucket's high mark after the change. `high`: the highest
+    limit it was lowered from in the last minute, and until when that
+    counts (a minute after its lowering, when one bucket at it would have
+    refilled).
+
+    A raise gains only what is past both the old limit and the high mark: a
+    clamp forgets what was used of a limit lowered, so a limit lowered and
+    raised again within a minute had handed out the whole raise again (60
+    -> 600 -> 60 -> 600 admitted 60 + 540 + 540 at once, past any minute of
+    one bucket at 600). A lowering marks the highest of the two for a minute
+    from now, erring late for a high mark older than the lowering."""
+    top = max(was, high[0] if now < high[1] else 0)
+    return top, ((top, now + 60.0) if limit < was else high)
 
 
 def _repaid_at(bucket: TokenBucket | None, now: float, wall: float) -> float:
@@ -632,7 +660,8 @@ class RateLimiter:
 
         Unchanged scopes keep their bucket levels; changed ones are resized
         (not refilled: a raised rpm or tpm gains only the raise, what was
-        used of the old limit stays used, and a lowered one clamps); removed
+        used of the old limit stays used, or only what is past a limit it
+        was lowered from in the last minute; a lowered one clamps); removed
         scopes are dropped with their shares, and requests in flight in them
         release harmlessly. New scopes take the
         share already known for them, if any. The first call is this proxy's

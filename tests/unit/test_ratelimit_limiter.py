@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dataplane.http.pipeline import refusal
@@ -435,7 +435,9 @@ def test_a_raised_limit_admits_its_raise_at_once_and_a_lowered_one_applies_at_on
     shares sum to at most 1). A tenant at its old limit, raised to ten times
     it, is not refused in the raise's first second (its bucket kept its
     level and refilled at the new rate: a tenth of the raise a second).
-    Lowered, the limit applies at once: no more than the new one's worth."""
+    Lowered, the limit applies at once: no more than the new one's worth;
+    raised again within a minute, it gains only what is past the limit it
+    was lowered from."""
     for limits, raised, tokens in [
         (ScopeLimits(rpm=60), ScopeLimits(rpm=600), 0),
         (ScopeLimits(tpm=6000), ScopeLimits(tpm=60_000), 100),
@@ -449,13 +451,83 @@ def test_a_raised_limit_admits_its_raise_at_once_and_a_lowered_one_applies_at_on
     rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.5)})
     rl.configure({T: ScopeLimits(rpm=60)}, 60.0)
     assert sum(rl.admit([T], 0, 60.0).ok for _ in range(300)) == 30
-    # Raised again after the lowering: the raise over what is used, no more.
+    # Raised again within a minute of the lowering: only what is past the
+    # limit it was lowered from (the clamp forgot what was used of it).
     rl.configure({T: ScopeLimits(rpm=120)}, 60.0)
-    assert sum(rl.admit([T], 0, 60.0).ok for _ in range(300)) == 30
+    assert not rl.admit([T], 0, 60.0).ok
+    rl.configure({T: ScopeLimits(rpm=1200)}, 60.0)
+    assert sum(rl.admit([T], 0, 60.0).ok for _ in range(600)) == 300  # 0.5 of 1200 - 600
     # A share that changes with its limit as it was gains nothing (a share
     # moving between proxies brings no tokens).
     rl.apply_shares({T: Share(1.0)}, 60.0)
     assert not rl.admit([T], 0, 60.0).ok
+    # A minute after a lowering, a raise gains all of itself again (one
+    # bucket at the old limit would be full by then).
+    rl = limiter({T: ScopeLimits(rpm=600)}, {T: Share(0.5)})
+    rl.configure({T: ScopeLimits(rpm=60)}, 60.0)
+    rl.configure({T: ScopeLimits(rpm=600)}, 120.0)
+    assert sum(rl.admit([T], 0, 120.0).ok for _ in range(600)) == 300
+
+
+# A fleet's limit changes, its shares move, its proxies admit: the steps of
+# test_a_fleet_never_admits_more_than_its_highest_limit_allows.
+_FLEET = 3
+_FRACTIONS = st.lists(st.integers(1, 4), min_size=_FLEET, max_size=_FLEET).map(
+    lambda tenths: [t / 10 for t in tenths] if sum(tenths) <= 10 else [0.3, 0.3, 0.3]
+)
+_FLEET_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("limit"), st.sampled_from([60, 120, 600])),
+        st.tuples(st.just("shares"), _FRACTIONS),
+        st.tuples(st.just("admit"), st.integers(1, 400)),
+        st.tuples(st.just("wait"), st.sampled_from([0.5, 5.0, 30.0, 61.0])),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(steps=_FLEET_STEPS)
+@example(steps=[("limit", 600), ("admit", 400), ("limit", 60), ("limit", 600), ("admit", 400)])
+def test_a_fleet_never_admits_more_than_its_highest_limit_allows(steps: list[Any]) -> None:
+    """Whatever its limit does (raised, lowered, raised again, in any order)
+    and however its shares move between the proxies, in no window of up to a
+    minute does a fleet admit more than one bucket at the highest rpm in
+    force in it would: a full minute of it, and its refill. A raise gives
+    each proxy its share of the raise, but a limit lowered and raised again
+    within a minute gives nothing again (each raise had handed out the whole
+    raise anew: 60 -> 600 -> 60 -> 600 at once admitted 60 + 540 + 540)."""
+    now = 0.0
+    fleet = [RateLimiter() for _ in range(_FLEET)]
+    limit = 60
+    for rl in fleet:
+        rl.configure({T: ScopeLimits(rpm=limit)}, now)
+        rl.apply_shares({T: Share(0.3)}, now)
+    limits = [(now, limit)]  # the rpm in force from each time on
+    admitted: list[tuple[float, int]] = []
+    for step in steps:
+        if step[0] == "limit":
+            limit = step[1]
+            limits.append((now, limit))
+            for rl in fleet:
+                rl.configure({T: ScopeLimits(rpm=limit)}, now)
+        elif step[0] == "shares":
+            for rl, fraction in zip(fleet, step[1], strict=True):
+                rl.apply_shares({T: Share(fraction)}, now)
+        elif step[0] == "admit":  # as many requests at each proxy
+            for rl in fleet:
+                admitted.append((now, sum(rl.admit([T], 0, now).ok for _ in range(step[1]))))
+        else:
+            now += step[1]
+    for start, _ in admitted:
+        for end in {t for t, _ in admitted if start <= t <= start + 60.0}:
+            # The rpm in force as the window opens, and any it is given in it.
+            high = max(
+                [rpm for t, rpm in limits if t < start][-1:]
+                + [rpm for t, rpm in limits if start <= t <= end]
+            )
+            count = sum(n for t, n in admitted if start <= t <= end)
+            assert count <= high * (1 + (end - start) / 60.0) + 1, (start, end, high)
 
 
 def test_a_growing_share_adds_no_tokens_and_a_shrinking_one_clamps() -> None:
