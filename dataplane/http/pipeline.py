@@ -1813,9 +1813,8 @@ async def admit_when_slot_frees(
     try:
         while clock() < deadline:
             await wait.sleep(wait.poll_s)
-            if limiter.slots_free(scopes) or not limiter.may_wait(
-                scopes, clock(), waiting=True, refused_at=refused_at
-            ):
+            # Ends the wait as a slot frees here too: no scope refuses then.
+            if not limiter.may_wait(scopes, clock(), waiting=True, refused_at=refused_at):
                 break
     finally:
         limiter.wait_end(scopes)

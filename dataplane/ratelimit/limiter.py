@@ -997,9 +997,11 @@ class RateLimiter:
           that had none, whose first shares may not say yet what the fleet
           holds. The requests of such a scope in flight here were admitted
           before its limit (none is admitted without a slot).
-        A scope whose fleet was at its limit refuses at once: the tenant uses
-        all of it. `waiting`: asked again by a request that waits (and is
-        counted among the waiters), which stops when this turns False.
+        False when no scope refuses for concurrency (each has a slot free
+        here). A scope whose fleet was at its limit refuses at once: the
+        tenant uses all of it. `waiting`: asked again by a request that
+        waits (and is counted among the waiters), which stops when this
+        turns False.
         `refused_at` (default `now`): when that request was refused; the join
         window is judged as of then (its closing does not end a wait), the
         spare flags as of `now` (their lapsing does).
@@ -1020,14 +1022,6 @@ class RateLimiter:
                 return False
             found = True
         return found
-
-    def slots_free(self, scopes: Sequence[str]) -> bool:
-        """Whether every concurrency-limited scope has a slot free here now."""
-        for name in scopes:
-            st = self._scopes.get(name)
-            if st is not None and st.concurrency and st.in_flight >= st.slots:
-                return False
-        return True
 
     def wait_begin(self, scopes: Sequence[str]) -> None:
         """Count a request waiting for a slot (see `may_wait`): it counts as
