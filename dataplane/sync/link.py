@@ -312,6 +312,10 @@ class ControlPlaneClient:
             try:
                 got_table = await self._session(address)
             except grpc.aio.AioRpcError as exc:
+                if self._stopping():
+                    # The call's end is the stop's: no failure to say, no
+                    # name taken to wait for.
+                    raise asyncio.CancelledError from exc
                 if exc.code() == grpc.StatusCode.ABORTED:
                     # Another process registered this proxy's name (see
                     # controlplane.api.routing): taking it back at once would
@@ -372,15 +376,20 @@ class ControlPlaneClient:
             else:
                 # Full jitter keeps a fleet from reconnecting in lockstep.
                 spread = self._random.uniform(self._backoff_min, backoff)
-            # A cancellation that lands as a gRPC call completes can be taken
-            # by grpc.aio for the call's own end (its status, raised as an
-            # error this loop retries): read the request to stop here too, or
-            # the link would go on registering its name (a worker stopped for
-            # its successor taking it back) and its stop would never end.
-            if self._task is not None and self._task.cancelling():
+            if self._stopping():
                 raise asyncio.CancelledError
             await self._sleep(wait or spread)
             backoff = min(backoff * 2, self._backoff_max)
+
+    def _stopping(self) -> bool:
+        """Whether this link's task was asked to stop (stop(), or the proxy
+        stopping), read from the task. A cancellation that lands as a gRPC
+        call completes can be taken by grpc.aio for the call's own end (its
+        status raised as an error, even OK): unread, the link would go on
+        registering its name (a worker stopped for its successor taking it
+        back) and its stop would never end. Uncancelled requests (a timeout
+        that fired and ended) do not count."""
+        return self._task is not None and self._task.cancelling() > 0
 
     def _other_than(self, index: int) -> int:
         """A random address's index other than `index` (itself if it is the only one)."""
@@ -487,7 +496,9 @@ class ControlPlaneClient:
                     pb.RegisterRequest(proxy=self._info), timeout=5, metadata=metadata
                 )
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                # OK raised: a stop taken for the call's end (see _stopping),
+                # the Register done; a deadline: maybe done.
+                if exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK):
                     # Refused, or never sent (no connection): nothing to
                     # deregister, and nothing to say at a stop.
                     self._registration = None

@@ -26,6 +26,7 @@ from controlplane.store.memory import MemoryStore
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto.v1 import routing_pb2 as pb
+from ponto.v1 import routing_pb2_grpc
 from tests.unit.test_link_loads import ScriptedRouting
 from tests.unit.test_registration_deadline import (
     HeldPutStore,
@@ -308,3 +309,43 @@ async def test_an_older_control_plane_without_deregister_is_left_quietly(
         (logging.DEBUG, f"control plane at 127.0.0.1:{port} predates Deregister: its grace applies")
     ]
     assert not [r for r in caplog.records if r.levelno >= logging.INFO and "regist" in r.msg]
+
+
+async def test_a_stop_grpc_takes_for_the_registers_end_deregisters_and_warns_of_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop landing as the Register completes is taken by grpc.aio for the
+    call's end: the call raises its status, OK (the control plane registered
+    the process), and the stop is read from the task after. The link had
+    forgotten the registration (none to deregister: listed until the
+    control plane's grace) and warned of a failure `[OK]; retrying`."""
+    service = Routing()
+    link = link_to(0)
+
+    made = routing_pb2_grpc.RoutingStub
+
+    def stub(channel: grpc.aio.Channel) -> Any:
+        routing: Any = made(channel)
+        register = routing.Register
+
+        async def taken(request: pb.RegisterRequest, **options: Any) -> pb.RegisterResponse:
+            await register(request, **options)  # registered at the control plane
+            link.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)  # the stop lands here, taken for the call's end
+            raise grpc.aio.AioRpcError(grpc.StatusCode.OK, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+        routing.Register = taken
+        return routing
+
+    monkeypatch.setattr(routing_pb2_grpc, "RoutingStub", stub)
+    async with serving(service) as port:
+        link._addresses = [f"127.0.0.1:{port}"]
+        with (
+            caplog.at_level(logging.INFO, logger="dataplane.sync.link"),
+            pytest.raises(asyncio.CancelledError),
+        ):
+            await asyncio.wait_for(link.run(), 10)
+    assert service.registers == 1
+    assert service.deregistered == [pb.DeregisterRequest(name="p1", started_at=STARTED)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
