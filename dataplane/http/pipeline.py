@@ -1458,9 +1458,9 @@ class Pipeline:
         own = ex.usage if ex.counter is None else ex.counter.usage
         usage = spent(ex)
         if usage is None and not ex.attempts:
-            # No count, and no origin was sent the prompt: its client left
-            # while it waited for the cache, a region's flight or a call to
-            # begin. Charged 0, the estimate back, as a follower and a hit are
+            # No count, and no origin call began: its client left while it
+            # waited for the cache, this proxy's flight or a region's.
+            # Charged 0, the estimate back, as a follower and a hit are
             # (review 424: a region's follower kept it, shown nowhere).
             usage = Usage(0, 0)
         if ex.admission is not None:
@@ -1468,13 +1468,15 @@ class Pipeline:
             # completions to expect (a count would: one of 0 here).
             ex.admission.release(usage.total if usage is not None else None, time.monotonic())
         if usage is None:
-            # No count, though an origin was sent the prompt (a whole answer
-            # without `usage`, or a client that left before any answer: a
-            # phone's timeout and each of its SDK's retries): the limits and
-            # budgets keep the estimate, so the metrics and the access log
-            # show it, as the proxy's (trial 98: 3 timed-out retries of a long
-            # prompt took 15,024 tokens of the day's budget that neither saw;
-            # billing trial 76: what is charged is what they show).
+            # No count, though an origin call began (a whole answer without
+            # `usage`, or a client that left before any answer: a phone's
+            # timeout and each of its SDK's retries; a call still waiting for
+            # its connection is one, as the line's attempts count it): the
+            # limits and budgets keep the estimate, so the metrics and the
+            # access log show it, as the proxy's (trial 98: 3 timed-out
+            # retries of a long prompt took 15,024 tokens of the day's budget
+            # that neither saw; billing trial 76: what is charged is what
+            # they show).
             usage = Usage(ex.estimate, 0, exact=False)
         ex.usage = usage
         self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)

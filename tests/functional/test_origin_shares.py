@@ -27,9 +27,10 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from dataplane.http.errors import ApiError
-from dataplane.http.state import HOLDER, METRICS
+from dataplane.http.state import HOLDER, METRICS, PIPELINE
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
+from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from dataplane.routes import Target
 from dataplane.upstream.forwarder import Forwarder, UpstreamSettings
 from dataplane.upstream.outlier import RetryBudget
@@ -231,6 +232,48 @@ async def test_a_call_with_no_connection_within_the_queue_timeout_is_a_503(
     served = await s.stack.post(chat("alpha asks again"), key=ALPHA.key)
     assert served.status == 200
     assert s.origin.whole == 1
+
+
+@pytest.fixture
+async def queued(tmp_path: Path) -> AsyncIterator[Shared]:
+    """Two connections, which one tenant may hold; a wait for one that the
+    test ends, not a clock (the queue timeout is a bound)."""
+    flags = (
+        "--max-origin-connections=2",
+        "--max-origin-connections-per-tenant=2",
+        "--origin-queue-timeout=60",
+    )
+    async for s in shared(tmp_path, *flags):
+        yield s
+
+
+async def test_a_client_that_left_while_its_call_waited_for_a_connection_is_charged_as_sent(
+    queued: Shared,
+) -> None:
+    """Its call had begun, though it sent nothing: one of its line's
+    attempts, and charged the prompt's estimate as a client that left after
+    its prompt was sent is (docs/rate-limits.md, "No count"), not the 0 of one
+    that left before any call began."""
+    s = queued
+    await s.hold(2)
+    forwarder = s.stack.app[PIPELINE].forwarder
+    body = chat("alpha asks")
+    call = asyncio.create_task(s.stack.post(body, key=ALPHA.key))
+    async with asyncio.timeout(BOUND):
+        while forwarder.loads.outstanding("held") < 3:  # its call waits in the queue
+            await asyncio.sleep(0.005)
+    call.cancel()  # the client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    sample = s.stack.app[METRICS].registry.get_sample_value
+    async with asyncio.timeout(BOUND):
+        while sample("ponto_requests_total", {"endpoint": "chat.completions", "code": "499"}) != 1:
+            await asyncio.sleep(0.005)
+    assert s.origin.whole == 0  # reached no origin
+    assert s.attempts("cancelled") == 1
+    who = {"tenant": "alpha", "key": ALPHA.key_id}
+    estimate = estimate_prompt_tokens("chat.completions", body)
+    assert sample("ponto_tenant_tokens_total", {**who, "kind": "prompt"}) == estimate > 0
 
 
 # ---------------------------------------------------------------- failover
