@@ -15,7 +15,8 @@ limits that self-hosted servers (vLLM, llama.cpp, TGI) do not share are the
 origin's to judge, and an OpenAI-hosted origin's 400 for them is relayed:
 how many choices (`n`, `best_of`), tools, stop sequences, metadata keys,
 embeddings inputs or rerank documents a request has, how long its ids and
-metadata are; a temperature above 2, a logit bias past +-100, a
+metadata are, what its metadata holds (OpenAI: strings; any JSON value
+passes); a temperature above 2, a logit bias past +-100, a
 `max_tool_calls` below 1; a tool's or schema's name of characters OpenAI
 does not take; an empty content array; a tool conversation out of OpenAI's
 order (trial 97 found several refused that vLLM answered). Bounds vLLM
@@ -502,17 +503,6 @@ def either(
             raise _wrong_type(expected, value)
 
     return check
-
-
-def _metadata(value: Any) -> None:
-    """A map of strings (vLLM's Responses API reads OpenAI's type). How many
-    keys and how long each is (OpenAI: 16, of 64 and 512 characters) is the
-    origin's to judge; no key of the cache holds it."""
-    if not isinstance(value, dict):
-        raise _wrong_type("an object", value)
-    for key, v in value.items():
-        if not isinstance(v, str):
-            raise _step(_wrong_type("a string", v), f".{key}")
 
 
 # Any number: OpenAI refuses a bias past +-100, vLLM clamps it there.
@@ -1077,7 +1067,10 @@ COMMON: Final[dict[str, Check]] = {
     "user": any_string,
     "safety_identifier": any_string,
     "prompt_cache_key": any_string,
-    "metadata": _metadata,
+    # An object of any values: OpenAI takes 16 strings (of 64 and 512
+    # characters), vLLM ignores it, and LiteLLM's clients send lists in it
+    # (`metadata.tags`). No key of the cache holds it (keys.NON_AFFECTING).
+    "metadata": any_object,
     "service_tier": SERVICE_TIER,
     "store": boolean,
 }

@@ -1,9 +1,11 @@
 """What an open origin takes passes the proxy: OpenAI's own policy limits
 that vLLM does not share (trial 97: more than 128 tools, tool names with
 '.', temperature above 2, `n` above 128, metadata of more than 16 keys, a
-tool call left unanswered) reach the origin simulator and get its answer, as
-they would without the proxy. Their cache keys still tell them apart, and a
-budget charged for a great many choices still admits. In-process: the
+tool call left unanswered; and metadata values other than strings, which
+LiteLLM's clients send) reach the origin simulator and get its answer, as
+they would without the proxy. Their cache keys still tell them apart (but
+for metadata, which changes no answer), and a budget charged for a great
+many choices still admits. In-process: the
 proxy's app before an origin simulator (tests.functional.test_pipeline)."""
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ TAKEN = [
     (CHAT, chat("hot", temperature=2.5)),
     (CHAT, chat("many choices", n=129)),
     (CHAT, chat("tagged", metadata={f"k{i}": "v" * 600 for i in range(17)})),
+    # LiteLLM's clients' tags (vLLM ignores metadata; OpenAI takes strings).
+    (CHAT, chat("tags", metadata={"tags": ["prod", "team-a"], "trace": {"id": 7}})),
     (CHAT, chat("biased", logit_bias={"1": 150})),
     (CHAT, chat("long ids", user="u" * 2000, prompt_cache_key="p" * 2000)),
     (CHAT, chat("schema", response_format={
@@ -64,6 +68,8 @@ TAKEN = [
     ("/v1/responses", {"model": MODEL, "input": "x", "temperature": 2.5,
                        "tools": [{"type": "function", "name": f"a.b{i}"} for i in range(129)],
                        "metadata": {f"k{i}": "v" for i in range(17)}}),
+    ("/v1/responses", {"model": MODEL, "input": "x", "metadata": {"tags": ["a"], "n": 1}}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "metadata": {"tags": ["a"]}}),
     ("/v1/embeddings", {"model": MODEL, "input": ["x"] * 2049}),
     ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["x"] * 10_001}),
 ]  # fmt: skip
@@ -106,6 +112,17 @@ async def test_the_exact_key_tells_apart_the_tools_past_128_and_their_dotted_nam
     other = await stack.post(chat("which tool?", tools=tools(129, "github_search_issues")))
     assert (other.status, other.headers["x-ponto-cache"]) == (200, "miss")
     assert stack.origin_requests() == 2
+
+
+async def test_metadata_of_any_values_stays_out_of_the_exact_key(stack: Stack) -> None:
+    """LiteLLM's `metadata.tags` lists change no answer: a request tagged
+    otherwise, or not at all, is answered by the entry of the first."""
+    first = await stack.post(chat("tagged", metadata={"tags": ["prod"], "run": 1}))
+    assert (first.status, first.headers["x-ponto-cache"]) == (200, "miss")
+    for metadata in ({"tags": ["dev", "team-b"], "run": {"id": 2}}, None):
+        again = await stack.post(chat("tagged", metadata=metadata))
+        assert (again.status, again.headers["x-ponto-cache"]) == (200, "hit")
+    assert stack.origin_requests() == 1
 
 
 async def test_a_budget_charges_a_great_many_choices_its_whole_at_most(stack: Stack) -> None:

@@ -382,7 +382,16 @@ OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
     "stream": st.booleans(),
     "user": text,
     "prompt_cache_key": text,
-    "metadata": st.dictionaries(st.text(max_size=80), st.text(max_size=20), max_size=20),
+    # Values of any JSON type (LiteLLM's clients send `tags` lists).
+    "metadata": st.dictionaries(
+        st.text(max_size=80),
+        text
+        | st.lists(text, max_size=3)
+        | st.integers(-(2**63), 2**63 - 1)
+        | st.booleans()
+        | st.none(),
+        max_size=20,
+    ),
     "service_tier": st.sampled_from(["auto", "default", "flex", "priority"]),
     "reasoning_effort": st.sampled_from(["minimal", "low", "medium", "high"]),
     "store": st.booleans(),
@@ -464,7 +473,7 @@ MUTATIONS = [
     setting("stream", "yes"),
     setting("user", 42),
     setting("prompt_cache_key", {"k": 1}),
-    setting("metadata", {"k": 1}, "metadata.k"),
+    setting("metadata", ["tags"]),
     setting("service_tier", "gold"),
     setting("reasoning_effort", 3),
     setting("store", "no"),

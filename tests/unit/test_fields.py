@@ -166,6 +166,10 @@ GOOD = [
         user="u" * 5000, safety_identifier="s" * 5000, prompt_cache_key="p" * 5000,
     )),
     ("responses", response(metadata={f"k{i}": "v" for i in range(17)}, user="u" * 5000)),
+    # Metadata values of any JSON type: LiteLLM's clients send `tags` lists.
+    ("chat.completions", chat(metadata={"tags": ["a", "b"], "n": 1, "x": None, "o": {"p": [1.5]}})),
+    ("completions", completion(metadata={"tags": ["prod"]})),
+    ("responses", response(metadata={"tags": ["a"], "flag": True})),
     # An empty content array is an empty text to vLLM; `functions: []` none.
     ("chat.completions", chat(messages=[{"role": "user", "content": []}], functions=[])),
     ("embeddings", embedding(input=["x"] * 2049)),
@@ -368,7 +372,7 @@ BAD = [
     (C, chat(user={"id": 1}), "user", T),
     (C, chat(prompt_cache_key=123), "prompt_cache_key", T),
     (C, chat(metadata=[]), "metadata", T),
-    (C, chat(metadata={"k": 1}), "metadata.k", T),
+    (C, chat(metadata="tags"), "metadata", T),
     (C, chat(service_tier="gold"), "service_tier", V),
     (C, chat(modalities=["smell"]), "modalities[0]", V),
     (C, chat(reasoning_effort="max"), "reasoning_effort", V),
@@ -444,7 +448,7 @@ BAD = [
     (R, response(text="json"), "text", T),
     (R, response(stream="yes"), "stream", T),
     (R, response(stream_options={"include_obfuscation": True}), "stream_options", V),
-    (R, response(metadata={"k": 1}), "metadata.k", T),
+    (R, response(metadata=["tags"]), "metadata", T),
     (R, response(user=1), "user", T),
     (R, response(previous_response_id=1), "previous_response_id", T),
     (R, response(store="yes"), "store", T),
@@ -725,7 +729,9 @@ GENERATED: dict[str, st.SearchStrategy[dict[str, Any]]] = {
                 {}, optional={"effort": st.sampled_from(["low", "medium", "high"])}
             ),
             "text": st.just({"format": {"type": "text"}}),
-            "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
+            "metadata": st.dictionaries(
+                st.text(max_size=8), st.text(max_size=8) | st.lists(st.text(max_size=8)), max_size=4
+            ),
         },
     ),
 }
@@ -759,7 +765,7 @@ WRONG: dict[str, dict[str, list[Any]]] = {
         "previous_response_id": [1, ""],
         "reasoning": ["high"],
         "text": ["json"],
-        "metadata": [[]],
+        "metadata": [[], "tags"],
     },
 }
 
