@@ -19,11 +19,14 @@ metadata are, what its metadata holds (OpenAI: strings; any JSON value
 passes); a temperature above 2, a logit bias past +-100, a
 `max_tool_calls` below 1; a tool's or schema's name of characters OpenAI
 does not take; an empty content array; a tool conversation out of OpenAI's
-order (trial 97 found several refused that vLLM answered). Bounds vLLM
-shares stay (top_p within 0 to 1, the penalties within -2 to 2, a seed's 64
-bits, a temperature below 0, `n` and the token limits below 1), and so do
-the proxy's own: integers within 32 bits where it counts with them (MAX_INT),
-nesting (MAX_DEPTH) and containers (MAX_CONTAINERS).
+order (trial 97 found several refused that vLLM answered); a value outside
+OpenAI's set of a setting the proxy does not read (`service_tier`,
+`reasoning_effort`, `verbosity`, `modalities`, chat's `audio.format`:
+SERVICE_TIER). Bounds vLLM shares stay (top_p within 0 to 1, the penalties
+within -2 to 2, a seed's 64 bits, a temperature below 0, `n` and the token
+limits below 1), and so do the proxy's own: integers within 32 bits where
+it counts with them (MAX_INT), nesting (MAX_DEPTH) and containers
+(MAX_CONTAINERS).
 
 What passes on unchecked, for forward compatibility: fields no table names
 (an origin's extensions: vLLM's `top_k`, `guided_json`, ...); content parts
@@ -606,9 +609,17 @@ STOP = either(
     array(string(), expected="an array of strings"),
     expected="a string or an array of strings",
 )
-SERVICE_TIER = enum("auto", "default", "flex", "scale", "priority")
-REASONING_EFFORT = enum("none", "minimal", "low", "medium", "high", "xhigh")
-VERBOSITY = enum("low", "medium", "high")
+# Settings the proxy passes on without reading, which a vLLM chat endpoint
+# ignores or does not know: any string, whose values are the origin's to
+# judge (OpenAI's: service_tier auto, default, flex, scale, priority;
+# reasoning effort none to xhigh; verbosity low, medium, high; new ones come,
+# and other servers take their own). Responses' `reasoning.effort` and
+# `text.verbosity` are the same settings. An enum the proxy acts on keeps its
+# values: a tool choice's mode, a part's, tool's or response_format's type,
+# a role, an image's detail and input audio's format (both estimated).
+SERVICE_TIER = any_string
+REASONING_EFFORT = any_string
+VERBOSITY = any_string
 STREAM_OPTIONS = obj({"include_usage": boolean, "include_obfuscation": boolean})
 # A JSON schema's own vocabulary is the origin's to judge; here only that it is one.
 SCHEMA = any_object
@@ -1102,11 +1113,10 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
                 enum("none", "auto"), _NAMED, expected="a string or an object", container=dict
             ),
             "response_format": RESPONSE_FORMAT,
-            "modalities": array(enum("text", "audio"), expected="an array of strings"),
-            "audio": obj(
-                {"voice": string(), "format": enum("wav", "aac", "mp3", "flac", "opus", "pcm16")},
-                required=("voice", "format"),
-            ),
+            # Output modalities and audio (OpenAI's text and audio; wav, aac,
+            # mp3, flac, opus, pcm16): passed on unread, as service_tier.
+            "modalities": array(string(), expected="an array of strings"),
+            "audio": obj({"voice": string(), "format": string()}, required=("voice", "format")),
             "prediction": typed(
                 {"content": obj({"content": CHAT_CONTENT}, required=("content",))}, closed=True
             ),

@@ -1,12 +1,13 @@
 """What an open origin takes passes the proxy: OpenAI's own policy limits
 that vLLM does not share (trial 97: more than 128 tools, tool names with
 '.', temperature above 2, `n` above 128, metadata of more than 16 keys, a
-tool call left unanswered; and metadata values other than strings, which
-LiteLLM's clients send) reach the origin simulator and get its answer, as
-they would without the proxy. Their cache keys still tell them apart (but
-for metadata, which changes no answer), and a budget charged for a great
-many choices still admits. In-process: the
-proxy's app before an origin simulator (tests.functional.test_pipeline)."""
+tool call left unanswered; metadata values other than strings, which
+LiteLLM's clients send; values outside OpenAI's sets of settings the proxy
+does not read, such as `service_tier`) reach the origin simulator and get
+its answer, as they would without the proxy. Their cache keys still tell
+them apart (but for metadata, which changes no answer), and a budget
+charged for a great many choices still admits. In-process: the proxy's app
+before an origin simulator (tests.functional.test_pipeline)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ TAKEN = [
                        "metadata": {f"k{i}": "v" for i in range(17)}}),
     ("/v1/responses", {"model": MODEL, "input": "x", "metadata": {"tags": ["a"], "n": 1}}),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "metadata": {"tags": ["a"]}}),
+    # Values outside OpenAI's sets of settings the proxy does not read.
+    (CHAT, chat("tiers", service_tier="gold", reasoning_effort="max", verbosity="terse",
+                modalities=["text", "smell"], audio={"voice": "v", "format": "ogg"})),
+    ("/v1/responses", {"model": MODEL, "input": "x", "service_tier": "gold",
+                       "reasoning": {"effort": "max"}, "text": {"verbosity": "terse"}}),
     ("/v1/embeddings", {"model": MODEL, "input": ["x"] * 2049}),
     ("/v1/rerank", {"model": MODEL, "query": "q", "documents": ["x"] * 10_001}),
 ]  # fmt: skip

@@ -392,8 +392,11 @@ OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
         | st.none(),
         max_size=20,
     ),
-    "service_tier": st.sampled_from(["auto", "default", "flex", "priority"]),
-    "reasoning_effort": st.sampled_from(["minimal", "low", "medium", "high"]),
+    # Any string: settings the proxy does not read (fields.SERVICE_TIER).
+    "service_tier": st.sampled_from(["auto", "default", "flex", "priority"]) | text,
+    "reasoning_effort": st.sampled_from(["minimal", "low", "medium", "high"]) | text,
+    "verbosity": text,
+    "modalities": st.lists(st.sampled_from(["text", "audio"]) | text, max_size=3),
     "store": st.booleans(),
     "top_k": st.integers(-1, 100),  # a vLLM extension: passes unchecked
 }
@@ -474,7 +477,9 @@ MUTATIONS = [
     setting("user", 42),
     setting("prompt_cache_key", {"k": 1}),
     setting("metadata", ["tags"]),
-    setting("service_tier", "gold"),
+    setting("service_tier", 1),
+    setting("verbosity", {"level": "high"}),
+    setting("modalities", ["text", 2], "modalities[1]"),
     setting("reasoning_effort", 3),
     setting("store", "no"),
     in_last_message("role", "wizard"),

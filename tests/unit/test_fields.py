@@ -170,6 +170,16 @@ GOOD = [
     ("chat.completions", chat(metadata={"tags": ["a", "b"], "n": 1, "x": None, "o": {"p": [1.5]}})),
     ("completions", completion(metadata={"tags": ["prod"]})),
     ("responses", response(metadata={"tags": ["a"], "flag": True})),
+    # Settings the proxy does not read, which a vLLM chat endpoint ignores or
+    # does not know: any string (other servers, and OpenAI's next values).
+    ("chat.completions", chat(
+        service_tier="gold", reasoning_effort="max", verbosity="terse",
+        modalities=["text", "smell"], audio={"voice": "alloy", "format": "ogg"},
+    )),
+    ("completions", completion(service_tier="batch")),
+    ("responses", response(
+        service_tier="gold", reasoning={"effort": "max"}, text={"verbosity": "terse"},
+    )),
     # An empty content array is an empty text to vLLM; `functions: []` none.
     ("chat.completions", chat(messages=[{"role": "user", "content": []}], functions=[])),
     ("embeddings", embedding(input=["x"] * 2049)),
@@ -373,9 +383,12 @@ BAD = [
     (C, chat(prompt_cache_key=123), "prompt_cache_key", T),
     (C, chat(metadata=[]), "metadata", T),
     (C, chat(metadata="tags"), "metadata", T),
-    (C, chat(service_tier="gold"), "service_tier", V),
-    (C, chat(modalities=["smell"]), "modalities[0]", V),
-    (C, chat(reasoning_effort="max"), "reasoning_effort", V),
+    (C, chat(service_tier=1), "service_tier", T),
+    (C, chat(modalities="text"), "modalities", T),
+    (C, chat(modalities=[1]), "modalities[0]", T),
+    (C, chat(reasoning_effort=3), "reasoning_effort", T),
+    (C, chat(verbosity=["high"]), "verbosity", T),
+    (C, chat(audio={"voice": "alloy", "format": 3}), "audio.format", T),
     (C, chat(store="no"), "store", T),
     (C, chat(audio={"voice": "alloy"}), "audio.format", M),
     (C, chat(prediction={"type": "content", "content": 1}), "prediction.content", T),
@@ -454,7 +467,9 @@ BAD = [
     (R, response(store="yes"), "store", T),
     (R, response(parallel_tool_calls=1), "parallel_tool_calls", T),
     (R, response(truncation="sometimes"), "truncation", V),
-    (R, response(reasoning={"effort": "max"}), "reasoning.effort", V),
+    (R, response(reasoning={"effort": 5}), "reasoning.effort", T),
+    (R, response(text={"verbosity": True}), "text.verbosity", T),
+    (R, response(service_tier=["flex"]), "service_tier", T),
     (R, response(include="all"), "include", T),
     # Its tokens would be known only in a later retrieve, charged no tokens (trial 80).
     (R, response(background=True), "background", V),
