@@ -205,7 +205,7 @@ WRONG: dict[str, dict[str, list[object]]] = {
         ],
         "tool_choice": [5, "sometimes", {"type": "function"}, {"type": "function", "function": {}}],
         "response_format": ["json", 5, {"type": "xml"}, {"type": "json_schema"}],
-        "metadata": ["x", 5, {"k": 5}, []],
+        "metadata": ["x", 5, []],  # any values: LiteLLM's tags lists
         "parallel_tool_calls": ["yes", 1],
         "messages": ["hi", [], {}, None],
     },
@@ -235,7 +235,7 @@ WRONG: dict[str, dict[str, list[object]]] = {
         "text": ["x", {"format": 5}],
         "tools": ["x", [1]],
         "tool_choice": [5],
-        "metadata": ["x", {"k": 5}],
+        "metadata": ["x", [{"k": 5}]],
         "user": [5],
         "parallel_tool_calls": ["x"],
         "store": ["x"],
