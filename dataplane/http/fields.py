@@ -1170,8 +1170,10 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             ),
             "instructions": string(),
             "max_output_tokens": MAX_TOKENS,
-            # Any: OpenAI takes 1 and more; vLLM bounds it nowhere.
-            "max_tool_calls": integer(-MAX_INT - 1, MAX_INT),
+            # Any integer the parser reads exactly (64 bits): OpenAI takes 1
+            # and more, vLLM bounds it nowhere, and the proxy counts nothing
+            # with it (MAX_INT bounds only what it counts with).
+            "max_tool_calls": integer(-_INT64, _INT64 - 1),
             "top_logprobs": LOGPROBS,
             "tools": RESPONSE_TOOLS,
             "tool_choice": RESPONSE_TOOL_CHOICE,

@@ -145,6 +145,9 @@ GOOD = [
     ("chat.completions", chat(temperature=1e30, n=MAX_INT)),
     ("completions", completion(temperature=3, n=200, best_of=MAX_INT)),
     ("responses", response(temperature=7.5, max_tool_calls=0)),
+    # Past 32 bits too: the proxy counts nothing with it (review 426).
+    ("responses", response(max_tool_calls=2**40)),
+    ("responses", response(max_tool_calls=-(2**63))),
     ("chat.completions", chat(tools=[TOOL] * 129)),
     ("responses", response(tools=[{"type": "function", "name": "f"}] * 129)),
     # MCP servers' tools are named `server.tool`; vLLM takes any name.
@@ -453,6 +456,7 @@ BAD = [
     (R, response(tools=[{"type": "function"}]), "tools[0].name", M),
     (R, response(tools=[{"type": "function", "name": ["a"]}]), "tools[0].name", T),
     (R, response(max_tool_calls=1.5), "max_tool_calls", T),
+    (R, response(max_tool_calls=2**63), "max_tool_calls", "integer_above_max_value"),
     (R, response(tools=[{"type": "function", "name": "f"}],
                  tool_choice={"type": "function", "name": "g"}), "tool_choice", V),
     (R, response(tool_choice="required"), "tool_choice", V),
