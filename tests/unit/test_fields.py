@@ -869,7 +869,8 @@ def test_turns_not_plain_are_still_checked(turn: dict[str, object]) -> None:
 
 
 # ---------------------------------------------------------------- tool conversations
-# Held as OpenAI holds them (trial 64: they reached the origin for its 400).
+# Each turn checked by its role's rules; their order is the origin's to judge
+# (trial 97: OpenAI's pairing refused histories vLLM answered).
 
 ASKED = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
