@@ -11,10 +11,12 @@ before an origin simulator (tests.functional.test_pipeline)."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from dataplane.http.fields import MAX_INT
@@ -22,6 +24,7 @@ from ponto.originsim.app import SimConfig
 from ponto.v1 import routing_pb2 as pb
 from tests.functional.test_budgets import BUDGETED, with_budget
 from tests.functional.test_pipeline import KEY, MODEL, Stack, chat, error_of, start_stack
+from tests.logcheck import errors
 
 CHAT = "/v1/chat/completions"
 
@@ -94,6 +97,52 @@ async def test_what_only_openai_refuses_reaches_the_origin_and_gets_its_answer(
     assert resp.headers["x-ponto-origin"] == "o1"
     assert stack.origin_requests() == 1
     assert answer[ANSWERED[path]], answer
+
+
+# The extremes of what now passes (review 426), each through every step
+# that reads the body: validation, the token estimate, placement, the
+# exact key (or its bypass), the forward and the relay.
+ODD_NAMES = ["a\u0000b", "名前.ツール", "\u202eevil", "🙂" * 40, "x" * 100_000, "", "a\nb"]
+EXTREMES = [
+    (CHAT, chat("many tools", tools=tools(10_000), stream=True,
+                tool_choice={"type": "function", "function": {"name": "github.search_issues"}})),
+    (CHAT, chat("odd names", tools=[{"type": "function", "function": {"name": name}}
+                                    for name in ODD_NAMES],
+                tool_choice={"type": "function", "function": {"name": "a\u0000b"}},
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "\u0000\u202e", "schema": {}}})),
+    (CHAT, chat("hottest", temperature=1.7976931348623157e308, stream=True)),
+    (CHAT, chat("biased", logit_bias={"1": 1e308, "2": -1e308, "3": 0.5, "00004": -5})),
+    (CHAT, chat("all of them", n=MAX_INT, stream=True,
+                metadata={f"k{i}": ["v" * 50] for i in range(20_000)})),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": MAX_INT, "best_of": MAX_INT,
+                         "stream": True, "temperature": 1e300}),
+    ("/v1/responses", {"model": MODEL, "input": "x", "max_tool_calls": -(2**63),
+                       "tools": [{"type": "function", "name": f"a\u0000{i}"}
+                                 for i in range(10_000)]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), EXTREMES, ids=[f"{p} {i}" for i, (p, _) in enumerate(EXTREMES)]
+)
+async def test_the_extremes_of_what_passes_reach_the_origin_twice_and_log_no_error(
+    stack: Stack, path: str, body: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second time from the cache where the request is cacheable."""
+    headers = {"authorization": f"Bearer {KEY.key}", "content-type": "application/json"}
+    raw = orjson.dumps(body)
+    for _ in range(2):
+        # A stream, not bytes: aiohttp warns of a body past 1 MB as bytes.
+        resp = await stack.client.post(path, data=io.BytesIO(raw), headers=headers)
+        text = await resp.text()
+        assert resp.status == 200, text[:500]
+        hit = resp.headers.get("x-ponto-cache") == "hit"
+        assert hit or resp.headers["x-ponto-origin"] == "o1", dict(resp.headers)
+        # No error object (a Responses answer's is null), not mid-stream either.
+        assert '"error":{' not in text.replace(" ", ""), text[:500]
+    assert 1 <= stack.origin_requests() <= 2
+    assert not errors(caplog.records, tracebacks=True)
 
 
 # Where each endpoint's answer holds what the origin made.
