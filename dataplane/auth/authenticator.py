@@ -641,7 +641,15 @@ def _parse_key_hash(record: KeyRecord) -> bytes:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether a claim is a NumericDate this proxy can compare: an int or a
+    float, finite. An int too large for a float (a signed `iat` of 10**400)
+    is not one: math.isfinite would raise OverflowError on it, a 500."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class _JwtVerifier:

@@ -700,6 +700,11 @@ def test_claims_of_the_wrong_type_each_get_their_own_reason(rsa_key: rsa.RSAPriv
         (auth, "exp", "soon", "'exp' must be a number"),
         (auth, "nbf", "now", "'nbf' must be a number"),
         (auth, "iat", [1], "'iat' must be a number"),
+        # Numbers, but past a float's range: compared with the clock, they
+        # raised OverflowError (a 500 with a traceback for a signed token).
+        (auth, "exp", 10**400, "'exp' must be a number"),
+        (auth, "iat", 10**400, "'iat' must be a number"),
+        (auth, "nbf", -(10**400), "'nbf' must be a number"),
         # `sub` does not name the caller here, but a present one is still a string.
         (by_email, "sub", 12, "the 'sub' claim must be a string"),
     ]
