@@ -603,7 +603,8 @@ def _error_response(request: web.Request, exc: Exception) -> tuple[web.Response,
 
 
 def _path_hint(request: web.Request) -> str:
-    """For a 404: the proxy's path the client likely meant, when its path is
+    """For a 404 on the metrics listener: that it is that port, and its
+    paths. Else, the proxy's path the client likely meant, when its path is
     one of them (a parameter's too: /v1/models/{model}) without the /v1
     prefix, with it twice, under /v2 (Cohere v2's /v2/rerank), or with a
     trailing slash (trial 51: an SDK's
@@ -620,6 +621,13 @@ def _path_hint(request: web.Request) -> str:
         return (
             "; this gateway is not a forward proxy: send its own paths to it, as an OpenAI SDK does"
         )
+    resources = [r for r in request.app.router.resources() if r.canonical.startswith("/v1/")]
+    if not resources:
+        # The metrics listener (--metrics-listen), which has no API path: an
+        # SDK or a probe sent to it is told which port it reached (trial 99:
+        # /v1/models there was "does not serve that endpoint (it serves )").
+        own = ", ".join(sorted(r.canonical for r in request.app.router.resources()))
+        return f"; this is the proxy's metrics port, which serves {own} only"
     meant = path.rstrip("/")
     if meant.startswith("/v1/v1/"):
         meant = meant[3:]
@@ -629,7 +637,6 @@ def _path_hint(request: web.Request) -> str:
         meant = "/v1" + meant[3:]
     elif not meant.startswith("/v1/"):
         meant = "/v1" + meant
-    resources = [r for r in request.app.router.resources() if r.canonical.startswith("/v1/")]
     if meant != path:
         for r in resources:
             info = r.get_info()

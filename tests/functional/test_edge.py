@@ -1048,6 +1048,34 @@ async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
             w.close()
 
 
+async def test_a_404_on_the_metrics_listener_says_which_port_it_is(
+    start_edge: Start, tmp_path: Path
+) -> None:
+    # Trial 99: an SDK pointed at the metrics port got "this gateway does not
+    # serve that endpoint (it serves )", an empty list of the API's paths.
+    edge = await start_edge("--metrics-listen=127.0.0.1:0")
+    settings = parse_proxy(
+        ["--region=r1", f"--state-dir={tmp_path}", "--metrics-listen=127.0.0.1:0"]
+    )
+    served = await serve_metrics(edge.runner.app, settings)
+    assert served is not None
+    runner, site = served
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            for path in ("/v1/models", "/v1/moderations", "/key/generate", "/"):
+                async with session.get(f"http://127.0.0.1:{port}{path}") as answer:
+                    assert answer.status == 404, path
+                    error = (await answer.json())["error"]
+                    assert error["message"] == (
+                        f"GET {path}: Not Found; this is the proxy's metrics port,"
+                        " which serves /health, /healthz, /metrics only"
+                    ), path
+    finally:
+        await runner.cleanup()
+    assert edge.origin_requests() == 0
+
+
 async def test_at_the_cap_the_longest_waiting_connection_makes_room(start_edge: Start) -> None:
     edge = await start_edge("--max-connections=3", "--max-connections-per-client=3")
     idle = [await edge.connect() for _ in range(3)]
