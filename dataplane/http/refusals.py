@@ -129,10 +129,14 @@ def redact_credentials(text: str) -> str:
 def printable(text: str) -> str:
     """`text` with each character str.isprintable refuses (controls such as
     LF, CR, ESC and NUL; line and paragraph separators) written as its
-    Python escape (`\\n`, `\\x1b`, `\\u2028`), and every other as it is."""
-    if text.isprintable():
+    Python escape (`\\n`, `\\x1b`, `\\u2028`), a backslash doubled, and
+    every other as it is. The backslash too, so that an escape in a line is
+    always this function's: with it kept, a model named ``x\\nERROR ...``
+    (a backslash and an n) was logged as a real line end would be, and the
+    line could not tell which the client sent (trial 99)."""
+    if text.isprintable() and "\\" not in text:
         return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
 
 
 refusals = RefusalLog(logging.getLogger("ponto.refusals"))

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from dataplane.http.boundary import _after_answer, _error_response
-from dataplane.http.refusals import RefusalLog, redact_credentials
+from dataplane.http.refusals import RefusalLog, printable, redact_credentials
 from ponto.apikeys import issue_key, secret_of
 
 
@@ -52,6 +52,17 @@ def test_a_huge_reason_makes_a_short_line(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="t.huge"):
         log.refused(400, None, "x" * 100_000)
     assert len(caplog.records[0].getMessage()) < 400
+
+
+def test_an_escape_in_a_line_is_always_the_logs_own() -> None:
+    # A line end the client sent and a backslash and an n it sent read alike
+    # when the backslash was kept as it is (trial 99): the escaping must be
+    # one-to-one, so a backslash is doubled.
+    assert printable("a\nb") == "a\\nb"
+    assert printable("a\\nb") == "a\\\\nb"
+    assert printable("a\\nb") != printable("a\nb")
+    assert printable("C:\\x1b") == "C:\\\\x1b"
+    assert printable("plain text, no escape") == "plain text, no escape"
 
 
 def test_a_key_the_client_put_in_its_request_is_logged_without_its_secret(
