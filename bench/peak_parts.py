@@ -20,6 +20,10 @@ once the load has stopped (the cache full, the peak just reached):
 - then, after a collection and malloc_trim(0), RSS again: what the allocators
   could give back.
 
+--trim-every S is an experiment: the probe calls malloc_trim(0) every S
+seconds through the load, to see whether trimming lowers the peak (VmHWM)
+rather than only the RSS of one moment.
+
 Prints one JSON report. Timings play no part; the figures are bytes.
 """
 
@@ -140,8 +144,13 @@ def _report():
 
 def _wait():
     done = set()
+    trim_every = float(os.environ.get("PEAK_PARTS_TRIM_EVERY") or 0)
+    trimmed = time.monotonic()
     while True:
         time.sleep(0.2)
+        if trim_every and time.monotonic() - trimmed >= trim_every:
+            _libc.malloc_trim(0)
+            trimmed = time.monotonic()
         for name in os.listdir(_DIR):
             if name.endswith(".go") and name not in done:
                 done.add(name)
@@ -184,6 +193,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ]
         if args.tracemalloc:
             env.append("PEAK_PARTS_TRACEMALLOC=1")
+        if args.trim_every:
+            env.append(f"PEAK_PARTS_TRIM_EVERY={args.trim_every}")
         with affinity({LOAD_CPU}):
             _, proxy = start_ponto(fleet, ["--cache-max-mb", str(args.cache_mb)], ("env", *env))
         headers, what = configure_ponto_features(fleet, "auth-limits-cache")
@@ -221,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tracemalloc", action="store_true")
+    p.add_argument(
+        "--trim-every",
+        type=float,
+        default=0.0,
+        help="an experiment: the probe calls malloc_trim(0) every this many seconds",
+    )
     args = p.parse_args(argv)
     with compiled_bytecode():
         report = measure(args)
