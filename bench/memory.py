@@ -53,9 +53,16 @@ from bench.wrk import run as run_wrk
 from ponto.fleet import Fleet
 
 BODY = (
-    b'{"model":"sim-small","temperature":0,"max_tokens":MAXTOK,'
+    b'{"model":"sim-small","temperature":0,"max_tokens":MAXTOK,STREAM'
     b'"messages":[{"role":"user","content":"memory probe {i}"}]}'
 )
+
+
+def request_body(max_tokens: int, stream: bool) -> bytes:
+    """BODY asking for max_tokens, streamed (SSE, one event a token) or whole."""
+    return BODY.replace(b"MAXTOK", str(max_tokens).encode()).replace(
+        b"STREAM", b'"stream":true,' if stream else b""
+    )
 
 
 def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +75,7 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(fleet, "proxy")  # its share of the new key's limits
         pid = proxy.proc.pid
         idle_mb = status_kb(pid, "VmRSS") / 1024
-        body = BODY.replace(b"MAXTOK", str(args.max_tokens).encode())
+        body = request_body(args.max_tokens, args.stream)
         result = run_wrk(
             WrkSpec(
                 url=f"http://{proxy.address}/v1/chat/completions",
@@ -138,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mb", type=int, default=32)
     p.add_argument("--seconds", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="streamed answers (one SSE event a token), kept as recorded streams",
+    )
     p.add_argument("--out", type=Path)
     p.add_argument(
         "--from-source",

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import LOAD_CPU, configure_ponto_features, start_ponto, wait_ready
-from bench.memory import BODY, compiled_bytecode
+from bench.memory import compiled_bytecode, request_body
 from bench.procs import affinity, status_kb
 from bench.wrk import WrkSpec
 from bench.wrk import run as run_wrk
@@ -201,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(fleet, "proxy")
         pid = proxy.proc.pid
         idle = ask(probe_dir, "idle")
-        body = BODY.replace(b"MAXTOK", str(args.max_tokens).encode())
+        body = request_body(args.max_tokens, args.stream)
         result = run_wrk(
             WrkSpec(
                 url=f"http://{proxy.address}/v1/chat/completions",
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mb", type=int, default=32)
     p.add_argument("--seconds", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--stream", action="store_true", help="streamed answers (bench/memory.py)")
     p.add_argument("--tracemalloc", action="store_true")
     p.add_argument(
         "--trim-every",
