@@ -100,7 +100,7 @@ def from_bytes(data: bytes) -> CachedResponse:
             raise EntryDecodeError("usage indexes out of order")
         if indexes and indexes[-1] >= len(chunks):
             raise EntryDecodeError("a usage index past the last chunk")
-        usage_only = frozenset(indexes)
+        usage_only = tuple(indexes)
         reader.end()
         return CachedResponse(
             kind=kind,

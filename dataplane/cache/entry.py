@@ -106,7 +106,10 @@ class CachedResponse:
     chunks: tuple[bytes, ...] | None
     # Indexes of chunks holding only usage (no choices), sent when the request
     # asked for stream_options.include_usage; skipped for requests that did not.
-    usage_only: frozenset[int]
+    # In increasing order. A tuple, not a set: nearly every recorded stream has
+    # one (the forwarder asks for usage, for its count), and a tuple of one
+    # index is 48 bytes where a frozenset is 216, uncounted by the store.
+    usage_only: tuple[int, ...]
     # A stream recorded for a request that did not ask for usage, and that
     # carries none: it cannot answer a request that asks (`answers`), whose
     # client would get no usage at all where the origin would have sent it.
@@ -121,7 +124,7 @@ class CachedResponse:
         model: str,
         body: bytes | None = None,
         chunks: tuple[bytes, ...] | None = None,
-        usage_only: frozenset[int] = frozenset(),
+        usage_only: tuple[int, ...] = (),
         usage_missing: bool = False,
         *,
         size: int | None = None,
@@ -348,7 +351,7 @@ class StreamRecorder:
         self._max_bytes = max_bytes
         self._parser: SseParser | None = None  # only when fed bytes
         self._chunks: list[bytes] = []
-        self._usage_only: set[int] = set()
+        self._usage_only: list[int] = []  # increasing: each a chunk's index as it is kept
         self._size = ENTRY_OVERHEAD
         self._finish: dict[int, Any] = {}
         # The members of each tool call (by choice and call index) that have no
@@ -408,7 +411,7 @@ class StreamRecorder:
             created_at=now,
             model=self._model,
             chunks=tuple(self._chunks),
-            usage_only=frozenset(self._usage_only),
+            usage_only=tuple(self._usage_only),
             usage_missing=not (self._usage_asked or self._usage_seen),
             size=self._size,  # as counted for max_bytes: the same sum
         )
@@ -669,7 +672,7 @@ class StreamRecorder:
             # Usage may come alone (OpenAI, vLLM) or on a chunk with choices.
             self._usage_seen = True
             if not choices:
-                self._usage_only.add(len(self._chunks))
+                self._usage_only.append(len(self._chunks))
         elif (
             len(choices) == 1 and type(d) is dict and len(d) == 1 and type(d.get("content")) is str
         ):

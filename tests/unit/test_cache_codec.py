@@ -21,9 +21,7 @@ def entries(draw: st.DrawFn) -> CachedResponse:
     if draw(st.booleans()):
         return CachedResponse(kind=kind, created_at=created_at, model=model, body=draw(st.binary()))
     chunks = tuple(draw(st.lists(st.binary(max_size=64), max_size=12)))
-    usage_only = (
-        frozenset(draw(st.sets(st.integers(0, len(chunks) - 1)))) if chunks else frozenset()
-    )
+    usage_only = tuple(sorted(draw(st.sets(st.integers(0, len(chunks) - 1))))) if chunks else ()
     return CachedResponse(
         kind=kind,
         created_at=created_at,
@@ -93,7 +91,7 @@ def test_a_huge_count_fails_fast() -> None:
 
 def test_a_usage_index_past_the_chunks_is_an_error() -> None:
     entry = CachedResponse(
-        kind=ResponseKind.CHAT, created_at=1.0, model="m", chunks=(b"a",), usage_only=frozenset({0})
+        kind=ResponseKind.CHAT, created_at=1.0, model="m", chunks=(b"a",), usage_only=(0,)
     )
     data = to_bytes(entry)
     bad = data[:-4] + struct.pack(">I", 1)
@@ -107,7 +105,7 @@ def test_usage_indexes_must_increase() -> None:
         created_at=1.0,
         model="m",
         chunks=(b"a", b"b"),
-        usage_only=frozenset({0, 1}),
+        usage_only=(0, 1),
     )
     data = to_bytes(entry)
     repeated = data[:-4] + struct.pack(">I", 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -147,7 +148,7 @@ def test_records_a_complete_stream_chunk_by_chunk() -> None:
     assert entry.streamed and entry.kind is ResponseKind.CHAT
     assert entry.model == "llama-3-8b" and entry.created_at == NOW
     assert entry.chunks == tuple(orjson.dumps(e) for e in events)
-    assert entry.usage_only == frozenset({len(events) - 1})
+    assert entry.usage_only == (len(events) - 1,)
     assert entry.size == ENTRY_OVERHEAD + sum(len(c) + CHUNK_OVERHEAD for c in entry.chunks)
 
 
@@ -570,10 +571,22 @@ def test_split_text_cuts_on_whitespace() -> None:
 def test_a_usage_chunk_without_choices_is_usage_only() -> None:
     events = [*chat_stream(["a"], usage=False), {"id": "chatcmpl-1", "usage": USAGE}]
     entry = recorded(sse(events))
-    assert entry.usage_only == frozenset({len(events) - 1})
+    assert entry.usage_only == (len(events) - 1,)
     assert len(to_sse_chunks(entry, include_usage=False)) == len(events)
     body = ChatCompletion.model_validate_json(to_completion(entry))
     assert body.usage is not None and body.usage.total_tokens == 13
+
+
+def test_a_streams_usage_indexes_cost_no_more_than_a_tuple_of_them() -> None:
+    # Nearly every recorded stream has a usage-only chunk (the forwarder asks
+    # for usage, for its count), and what holds its index is outside the
+    # store's count: a frozenset of one index is 216 bytes, its tuple 48.
+    events = [*chat_stream(["a"], usage=False), {"id": "chatcmpl-1", "usage": USAGE}]
+    entry = recorded(sse(events))
+    assert sys.getsizeof(entry.usage_only) <= sys.getsizeof((len(events) - 1,))
+    assert sys.getsizeof(recorded(sse(chat_stream(["a"], usage=False))).usage_only) <= (
+        sys.getsizeof(())
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -606,7 +619,7 @@ def test_a_stream_that_asked_for_usage_answers_requests_that_ask_whatever_the_or
     events = chat_stream(["a"], usage=False)
     events[-1]["usage"] = USAGE
     entry = recorded(sse(events))
-    assert entry.usage_only == frozenset() and entry.answers(include_usage=True)
+    assert entry.usage_only == () and entry.answers(include_usage=True)
     body = from_completion(orjson.dumps(chat_body()), now=NOW)
     assert body is not None and body.answers(include_usage=True)
     with pytest.raises(ValueError, match="stream"):
