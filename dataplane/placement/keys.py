@@ -14,11 +14,12 @@ Two kinds of key decide where a request goes inside a region:
   tools are at least `PREFIX_MIN_TOKENS` long and longer than its first
   question: a short question after a long shared preamble gains more from the
   preamble's cache than from any session. Every turn of such a conversation
-  carries both: the preamble's key ranks the replicas, and the conversation's
-  (the hash of its preamble and first question, which every turn resends)
-  picks among the first few, so its later turns stay where its first turn
-  found the preamble, while the conversations of one preamble spread over
-  those few replicas rather than all gather on one (trial 95).
+  is placed by the preamble's key, so its later turns go where its first
+  turn found the preamble (trial 95: keyed by their session, they moved after
+  the first answer). It also carries the conversation's (the hash of its
+  preamble and first question, which every turn resends), by which the
+  access log tells one preamble's conversations apart; placement does not
+  rank by it (dataplane.placement.picker says why).
 
 Tokens are approximated as `CHARS_PER_TOKEN` characters (no tokenizer runs at
 the edge), and a prefix is cut to whole blocks of `BLOCK_TOKENS` so a preamble
@@ -67,9 +68,9 @@ class Key:
     value: int
     kind: str  # "affinity" (a session) or "prefix" (a shared start)
     source: str  # prompt_cache_key, header, user, conversation, prefix
-    # A prefix key's conversation, which picks among the replicas the prefix
-    # ranks first (dataplane.placement.picker.PREFIX_SPREAD); None: the
-    # prefix alone places the request (a bare prompt has no conversation).
+    # A prefix key's conversation, shown in the access log beside the prefix;
+    # None for a bare prompt, which has no conversation. Placement reads
+    # `value` alone.
     within: int | None = None
 
 
@@ -171,8 +172,7 @@ def _chat_key(body: Mapping[str, Any], tenant: str) -> Key | None:
     # A conversation whose shared preamble outweighs its first question gains
     # most from the preamble's cache: every turn of it, the first and the
     # later ones alike (all resend the preamble and the first question), is
-    # placed by the preamble among a few replicas and by the conversation
-    # within them (Key.within); a long first question is a session's own.
+    # placed by the preamble; a long first question is a session's own.
     if length >= PREFIX_MIN_TOKENS * CHARS_PER_TOKEN and length >= len(question):
         return _prefix(tenant, _head(stable, _aligned(min(length, HASH_CHARS))), question_bytes)
     data = f"{tenant}\0c\0{length}\0".encode()

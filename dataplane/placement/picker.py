@@ -56,14 +56,6 @@ MODES: Final = frozenset({AFFINITY, LEAST_LOADED, WEIGHTED})
 # still the fastest there, chats at high load finding fewer KV hits (0.68
 # against 0.76) but a shorter tail.
 DEFAULT_LOAD_BOUND: Final = 1.05
-# How many of a preamble's first-ranked origins its conversations spread
-# over (Key.within). 1 gathers every turn of a preamble's conversations on
-# one replica until its load bound; more prefill the preamble on more
-# replicas. Trial 95's fleet modelled (bench/chat_placement.py, docs/routing.md
-# "Session and prefix keys"): at 2, second turns found 91-97 % of their tokens
-# cached (48-51 % when later turns followed their session key alone), at 3
-# first turns found 51-55 % (58-62 % at 2, 71-74 % at 1).
-PREFIX_SPREAD: Final = 2
 # An origin that states no capacity counts as full at this many requests: a
 # key does not leave a replica that is merely busier than an idle neighbour.
 UNKNOWN_CAPACITY: Final = 4
@@ -171,9 +163,20 @@ class Picker:
             return self._least_loaded(group), "load"
         if len(group) == 1:
             return [group[0]], key.kind
+        # A prefix key's conversation (Key.within) is not ranked by: every
+        # turn of a preamble's conversations goes to the preamble's first
+        # replica until its load bound, and past it to the next in the
+        # preamble's own ranking, where a later turn finds the preamble too.
+        # Spreading each preamble's conversations over its first two
+        # (two-level rendezvous, 8fb9a9a7) prefilled it twice: with caches
+        # sized to the working set, bench.affinity's shared prefixes at 80 %
+        # found 86-89 % of their tokens cached, not 99 %, and p90 TTFT rose
+        # from 24 to 140-162 ms; trial 95's chats (bench/chat_placement.py)
+        # found as much on their second turns with one level (92-96 % against
+        # 92-95 %, 12 at once; 81-92 % against 83-93 %, 48 at once) and more
+        # on their first (71-81 % against 61-81 %). A replica that leaves then
+        # moves only its own keys, once: to the one they failed over to.
         order = ranked(group, key.value)
-        if key.within is not None:
-            order = _within(order, key.within)
         load = self.loads.load
         factor = self.loads.speeds.factor  # 1.0: as fast as its group's typical
         first = order[0]
@@ -225,26 +228,6 @@ class Picker:
         rand = self._rand
         # Efraimidis-Spirakis: each origin leads with probability weight/sum.
         return sorted(group, key=lambda t: rand() ** (1.0 / t.weight), reverse=True)
-
-
-def _within(order: list[Target], key: int) -> list[Target]:
-    """A prefix's ranking with its first PREFIX_SPREAD origins in the
-    conversation's (`key`) rendezvous order: a two-level rendezvous, by which
-    every turn of a conversation ranks one of its preamble's first origins
-    first, and the conversations of a preamble spread over them by weight.
-    When one of them leaves the group, its conversations move, and so do
-    about a third of the other's (equal weights), to the origin the preamble ranked next,
-    which is now one of its first two (a single level moves only the
-    leaver's keys)."""
-    first, second = order[0], order[1]  # groups of one are placed before
-    if PREFIX_SPREAD == 2 and first.weight == second.weight:
-        # ranked() of the two, without its general case's cost (some 18,000
-        # instructions a request: callgrind).
-        if spread(key, second.seed) > spread(key, first.seed):
-            return [second, first, *order[2:]]
-        return order
-    spread_over = min(PREFIX_SPREAD, len(order))
-    return [*ranked(order[:spread_over], key), *order[spread_over:]]
 
 
 def _slowed(load: float, slowness: float) -> float:

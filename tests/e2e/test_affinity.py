@@ -6,7 +6,7 @@ restarts; a replica's death moves its sessions to one new replica with no
 failed request; a hot shared prefix spreads once its replica passes the load
 bound; a replica busy with requests no proxy sent (known only from the
 control plane's scrape) is avoided until they end; a drained replica moves
-only its own sessions, and its preamble's conversations stay on two replicas;
+only its own sessions, and its preamble's conversations all go to the next one;
 the same session key from two tenants is two sessions.
 """
 
@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from dataplane.placement.picker import PREFIX_SPREAD
 from ponto.fleet import Fleet, RegionDef
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
@@ -141,12 +140,11 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
     def question(i: int) -> list[dict[str, str]]:
         return [{"role": "system", "content": PREAMBLE}, *user(f"question {i}?")]
 
-    # One at a time: the conversations after the shared preamble go to the
-    # PREFIX_SPREAD replicas it ranks first, each conversation to one of them
-    # from any proxy, its later turns too.
+    # One at a time: the conversations after the shared preamble all go to
+    # the replica it ranks first, from any proxy, their later turns too.
     alone = [ask(fleet, "p0", question(i)) for i in range(12)]
     homes = {replica(r) for r in alone}
-    assert len(homes) == PREFIX_SPREAD, homes
+    assert len(homes) == 1, homes
     assert {r.headers["x-ponto-route"] for r in alone} == {"prefix"}
     for i, first in enumerate(alone[:4]):
         later = [*question(i), {"role": "assistant", "content": "an answer"}, *user("more?")]
@@ -156,8 +154,8 @@ def test_a_hot_prefix_gathers_then_spreads_past_its_load_bound(fleet: Fleet) -> 
         blocks = first.json()["usage"]["prompt_tokens"] // 16
         assert int(r.headers["x-sim-cached-tokens"]) >= 16 * blocks > 0
 
-    # Sixteen at once on one proxy: those replicas fill to their capacity (2)
-    # and their bounded share, and the rest spill to the prefix's next ones.
+    # Sixteen at once on one proxy: that replica fills to its capacity (2)
+    # and its bounded share, and the rest spill to the prefix's next ones.
     with ThreadPoolExecutor(16) as pool:
         burst = list(
             pool.map(lambda i: ask(fleet, "p0", question(100 + i), delay_ms=1500), range(16))
@@ -253,12 +251,9 @@ def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
         return [{"role": "system", "content": "Drain test. " + PREAMBLE}, *user(f"q{i}?")]
 
     convos = {i: home(fleet, "p1", question(i)) for i in range(24)}
-    homes = set(convos.values())
-    assert len(homes) == PREFIX_SPREAD, homes
-    # One of the preamble's two replicas leaves (neither crash nor probe:
-    # the table drops it at once).
-    victim = Counter(convos.values()).most_common(1)[0][0]
-    (kept,) = homes - {victim}
+    # The preamble's replica leaves (neither crash nor probe: the table
+    # drops it at once).
+    (victim,) = set(convos.values())
     admin = fleet.admin()
     admin.DrainOrigin(apb.DrainRequest(name=victim, drained=True), timeout=10)
     try:
@@ -270,18 +265,10 @@ def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
             assert len(now) == 1 and victim not in now, (s, now)
             if was != victim:
                 assert now == {was}, (s, was, now)  # only the leaver's sessions move
-        # The preamble's conversations: its next replica takes the leaver's
-        # place beside the one that stays, so they are on two replicas
-        # again, the same from every proxy. (The two-level rendezvous also
-        # moves some of the staying replica's conversations to the new one:
-        # dataplane.placement.picker._within.)
-        after: dict[int, str] = {}
-        for i in convos:
-            now = {replica(ask(fleet, p, question(i))) for p in PROXIES}
-            assert len(now) == 1, (i, now)
-            after[i] = now.pop()
-        assert kept in set(after.values()) and len(set(after.values())) == PREFIX_SPREAD
-        assert victim not in after.values()
+        # The preamble's conversations all go to its next replica, the same
+        # from every proxy.
+        after = {replica(ask(fleet, p, question(i))) for i in convos for p in PROXIES}
+        assert len(after) == 1 and victim not in after, after
     finally:
         admin.DrainOrigin(apb.DrainRequest(name=victim, drained=False), timeout=10)
     # Back in the table, it has all its sessions and conversations again:
