@@ -168,14 +168,15 @@ class Picker:
         # replica until its load bound, and past it to the next in the
         # preamble's own ranking, where a later turn finds the preamble too.
         # Spreading each preamble's conversations over its first two
-        # (two-level rendezvous, 8fb9a9a7) prefilled it twice: with caches
-        # sized to the working set, bench.affinity's shared prefixes at 80 %
-        # found 86-89 % of their tokens cached, not 99 %, and p90 TTFT rose
-        # from 24 to 140-162 ms; trial 95's chats (bench/chat_placement.py)
-        # found as much on their second turns with one level (92-96 % against
-        # 92-95 %, 12 at once; 81-92 % against 83-93 %, 48 at once) and more
-        # on their first (71-81 % against 61-81 %). A replica that leaves then
-        # moves only its own keys, once: to the one they failed over to.
+        # (two-level rendezvous, 8fb9a9a7) prefilled it twice, and caches
+        # sized to the working set filled: bench.affinity's shared prefixes
+        # at 80 % found 86-89 % of their tokens cached and p90 TTFT was
+        # 140-162 ms; with one level, 99 % and 19 ms. Trial 95's chats
+        # (bench/chat_placement.py, docs/routing.md) found as much on their
+        # second turns with one level (90-96 % against 91-95 %, 12 at once;
+        # 90-94 % both, 48 at once) and more on their first (73-81 % against
+        # 60-81 %, 12 at once). A replica that leaves moves only its own
+        # keys, once: to the one they failed over to.
         order = ranked(group, key.value)
         load = self.loads.load
         factor = self.loads.speeds.factor  # 1.0: as fast as its group's typical
