@@ -1069,11 +1069,19 @@ def add_results(report: dict[str, Any], m: Measured, args: argparse.Namespace, p
     ]
     report["ratios"] = verdicts.litellm
     report["floor_ratios"] = verdicts.floor
-    report["goals"] = goals(phases, m.rss, verdicts.litellm, report["ponto_features"])
+    # Read when the peak RSS was (measure_all): the RSS verdicts say what it held.
+    cache_bytes = (report.get("ponto_cache_at_end") or {}).get("bytes")
+    report["goals"] = goals(
+        phases, m.rss, verdicts.litellm, report["ponto_features"], cache_bytes=cache_bytes
+    )
     # Features asked for but not configured: neither CPU aim applies.
     features = args.ponto_features if m.cache_on or args.ponto_features == "none" else "failed"
     report["aims"] = aims(
-        phases, m.largest.get("ponto"), features=features, workers=args.ponto_workers
+        phases,
+        m.largest.get("ponto"),
+        features=features,
+        workers=args.ponto_workers,
+        cache_bytes=cache_bytes,
     )
     report["table"] = {"columns": verdicts.table.columns, "rows": verdicts.table.rows}
     report["text"] = verdicts.table.render()

@@ -3,9 +3,10 @@ which of them the CPU aims and the per-core goal read, and a relayed stream's CP
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
-from bench.compare import answers_by_worker
+from bench.compare import FULL, Measured, Target, add_results, answers_by_worker
 from bench.compare_table import Phase, aims, build_table, goals, scaling_table
 
 
@@ -163,3 +164,36 @@ def test_a_groups_chat_answers_are_counted_by_worker() -> None:
         "",
     ])  # fmt: skip
     assert answers_by_worker(exposition) == {"0": 605.0, "1": 400.0}
+
+
+def test_the_peak_rss_verdicts_say_what_the_cache_held_at_the_end() -> None:
+    """A peak RSS follows how full the exact cache got (72 MB with 12.8 MB
+    cached, 86 MB full): its verdicts name the bytes the proxy's
+    ponto_cache_bytes gave when the peak was read, or that it was not read."""
+    m = Measured(
+        targets=[Target("ponto", "Ponto", "http://ponto", 1)],
+        phases={},
+        rss={"ponto": 72.2},
+        largest={"ponto": 72.2},
+        cache_on=True,
+    )
+    args = argparse.Namespace(ponto_features="auth-limits-cache", ponto_workers=None)
+    cached = {"bytes": 12.8 * 2**20, "entries": 7938.0, "hit": 1.0, "miss": 7938.0}
+    report: dict[str, Any] = {"ponto_features": "auth-limits-cache", "ponto_cache_at_end": cached}
+    add_results(report, m, args, FULL)
+    goal = aim(report["goals"], "Ponto peak RSS under 80 MB")
+    worker = aim(report["aims"], "peak RSS of one Ponto worker")
+    for verdict in (goal, worker):
+        assert verdict["value"] == 72.2
+        assert "[its cache held 12.8 MB at the end]" in verdict["goal"]
+    # An empty cache (--ponto-features none) is read as such, not as unread.
+    empty: dict[str, Any] = {
+        "ponto_features": "none",
+        "ponto_cache_at_end": {**cached, "bytes": 0.0},
+    }
+    add_results(empty, m, args, FULL)
+    assert "[its cache held 0.0 MB at the end]" in aim(empty["aims"], "peak RSS of one")["goal"]
+    unread: dict[str, Any] = {"ponto_features": "auth-limits-cache", "ponto_cache_at_end": {}}
+    add_results(unread, m, args, FULL)
+    assert "[the cache's bytes not read]" in aim(unread["aims"], "peak RSS of one")["goal"]
+    assert "[the cache's bytes not read]" in aim(unread["goals"], "Ponto peak RSS")["goal"]
