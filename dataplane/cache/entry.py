@@ -38,7 +38,8 @@ ENTRY_OVERHEAD = 256
 # its payload; the rest is what a long load of streams leaves between their
 # small objects: with 48, a proxy's cache of streams of 256 events held 2-3 %
 # more RSS than its bound (bench/memory.py --stream), where store.py's
-# SLOT_OVERHEAD leaves whole answers 15-25 % under theirs.
+# SLOT_OVERHEAD leaves whole answers 18-31 % under theirs (RSS 0.69-0.82
+# of what is counted, bench/entry_rss.py).
 CHUNK_OVERHEAD = 72
 
 DONE_FRAME = b"data: [DONE]\n\n"
