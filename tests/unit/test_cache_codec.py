@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dataplane.cache.codec import MAGIC, VERSION, EntryDecodeError, from_bytes, to_bytes
-from dataplane.cache.entry import CachedResponse, ResponseKind
+from dataplane.cache.entry import CachedResponse, ResponseKind, to_sse_chunks
 
 kinds = st.sampled_from(list(ResponseKind))
 times = st.floats(allow_nan=False, allow_infinity=False)
@@ -81,6 +81,28 @@ def test_a_stream_recorded_without_usage_keeps_the_mark_across_the_region() -> N
     body[4] |= 0x02
     with pytest.raises(EntryDecodeError, match="flags"):
         from_bytes(bytes(body))
+
+
+# A stream with usage-only chunks 1 and 3, as a proxy of e5b9841f wrote it to
+# the region's Redis (its usage indexes a frozenset; the layout unchanged since).
+OLDER_STREAM = bytes.fromhex(
+    "50580100013ff8000000000000000000016d00000004000000077b2261223a317d"
+    "000000077b2275223a327d000000077b2262223a337d000000077b2275223a347d"
+    "000000020000000100000003"
+)
+
+
+def test_an_older_proxys_stream_loads_and_is_written_as_it_wrote_it() -> None:
+    # Proxies of both versions share a region: each reads what the other wrote.
+    entry = from_bytes(OLDER_STREAM)
+    assert entry.chunks == (b'{"a":1}', b'{"u":2}', b'{"b":3}', b'{"u":4}')
+    assert entry.usage_only == (1, 3)
+    assert to_sse_chunks(entry, include_usage=False) == [
+        b'data: {"a":1}\n\n',
+        b'data: {"b":3}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    assert to_bytes(entry) == OLDER_STREAM
 
 
 def test_a_huge_count_fails_fast() -> None:
