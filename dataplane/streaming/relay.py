@@ -557,7 +557,9 @@ async def _relay_events(
 ) -> RelayEnd:
     end = RelayEnd()
     parser = SseParser(max_event_bytes)
-    last: Event | None = None  # the last event written to the client
+    # The last event written to the client; a plain event's data alone
+    # (_last_event makes it an Event).
+    last: Event | bytes | None = None
     rewrite: Callable[[bytes], bytes | None] | None = None
     done = False  # the client has the stream's last event: nothing after it matters
     chunk = first
@@ -570,163 +572,206 @@ async def _relay_events(
         while True:
             cut = ""
             too_long = 0  # the bound, when an event passing it made the cut
-            frames: list[bytes] = []
-            # The read's leading plain events' bytes (below), and where
-            # the rest starts.
-            at = 0
-            datas = parser.plain(chunk) if by_datas is not None else None
-            if datas is None:
-                events = parser.feed(chunk)
-            elif len(datas) == 1:
-                # A read of one event (nearly every read of a stream that
-                # comes as it is generated) costs less as an Event than the
-                # searches below (and a comprehension is a frame of its own).
-                events = [Event(datas[0], b"", len(datas[0]) + 7)]
-                datas = None
-            # A chunk of whole one-line events, which is what framing each
-            # would make of it, is written as it came while its events go
-            # on unchanged (nearly always): not framed event by event.
-            verbatim = parser.verbatim and rewrite is None
-            # Its events' data are its bytes: one search of them all clears
-            # every event of being an error (nearly every read), where each
-            # was searched on its own.
-            errors = not verbatim or chunk.find(b"error") >= 0
-            if datas is not None and errors:
-                events = [Event(data, b"", len(data) + 7) for data in datas]
-            elif datas is not None:
-                # Whole one-line events, free of errors, going on unchanged:
-                # those before the first that may be the usage chunk or
-                # [DONE] (nearly all: one search of the read for each) are
-                # plain, each what `event` would take as a content delta,
-                # its trim showing it as it came or (a null usage, which
-                # OpenAI puts in every chunk of a stream asked for usage)
-                # without that member. Its readers are given their data at
-                # once; no Event is made for each, and none is looked at by
-                # itself again. The rest go as below.
-                special = chunk.find(b'"usage"')
-                null = -1  # where the first null usage is, if one comes before `special`
+            # A read of one plain event (nearly every read of an origin that
+            # writes each event as it generates it: vLLM, SGLang) goes on
+            # unchanged, as a read of many does below: its readers are given
+            # its data, the client its bytes (or what the trim shows of a
+            # null usage), with no Event made (`last` holds its data: one is
+            # made only at a cut) and none of the tests below. The data's
+            # first byte (chunk[6]) `{`, an object, is no [DONE].
+            one = parser.one(chunk) if by_datas is not None and rewrite is None else None
+            special = 0  # where a usage but a null one starts: < 0, none
+            null = -1  # where a null usage starts (OpenAI's, SGLang's: every chunk)
+            if one is not None and chunk[6] == 0x7B and chunk.find(b"error") < 0:
+                special = null = chunk.find(b'"usage"')
                 while special >= 0 and chunk[special + 7 : special + 12] == b":null":
-                    if null < 0:
-                        null = special
                     special = chunk.find(b'"usage"', special + 12)
-                found = chunk.find(DONE)
-                if special < 0 or 0 <= found < special:
-                    special = found
-                count = len(datas)
-                if special >= 0:
-                    # The rest start after the blank line before `special`;
-                    # counted from the read's end by their lengths (each
-                    # `data: `, its data and LF LF), not by a count of the
-                    # blank lines before it, which goes byte by byte.
-                    blank = chunk.rfind(b"\n\n", 0, special)
-                    at = blank + 2 if blank >= 0 else 0
-                    rest = len(chunk) - at
-                    while rest > 0:
-                        count -= 1
-                        rest -= len(datas[count]) + 8
-                elif count:
-                    at = len(chunk)
-                if count:
-                    plain = datas[:count] if count < len(datas) else datas
-                    for take in by_datas or ():
-                        take(plain)
-                    last = Event(plain[-1], b"", len(plain[-1]) + 7)
-                    if trim is not None and 0 <= null < at:
-                        # Their null usages go (a Trim's, after the readers
-                        # had them): each framed as the trim shows it.
-                        verbatim = False
-                        for data in plain:
-                            if (shown := trim(data)) is not None:
-                                frames.append(
-                                    b"data: " + shown + b"\n\n"
-                                    if shown.find(b"\n") < 0
-                                    else _frame(Event(shown))
-                                )
-                events = [Event(data, b"", len(data) + 7) for data in datas[count:]]
-            # Such a read, free of errors, reaches the client whole: its
-            # readers that take a read at once are given it so.
-            each = by_event if not errors else readers
-            if not errors and events:
-                for read in by_read:
-                    read(events)
-            if (events or at) and idle is not None:
-                # The idle timeout counts from the last event, not from the
-                # last byte: an origin's comments (which the client is sent a
-                # keep-alive for) keep no stalled stream open (trial 65: one
-                # event, then `:` every second, held a stream 11 minutes).
-                # Before its first event, a queue's or a prefill's comments
-                # were the forwarder's to wait through (`first_chunk_within`,
-                # from the call); a stream committed without one (more
-                # comments than it holds) counts from its start.
-                idle.progress()
-            for parsed in events:
-                ev, data = parsed, parsed.data
-                if not ev.done:
-                    if rewrite is not None:
-                        try:
-                            rewritten = rewrite(data)
-                        # An origin's bytes: whatever they hold, a cut, never a crash.
-                        except Exception as exc:
-                            cut = str(exc) or type(exc).__name__
+            if special < 0 and one is not None and by_datas is not None:
+                ones = [one]
+                for take in by_datas:
+                    take(ones)
+                last = one
+                if idle is not None:
+                    idle.progress()  # an event: see below
+                framed = chunk
+                if null >= 0 and trim is not None and (shown := trim(one)) is not one:
+                    framed = (
+                        b""
+                        if shown is None
+                        else b"data: " + shown + b"\n\n"
+                        if shown.find(b"\n") < 0
+                        else _frame(Event(shown))
+                    )
+                if framed:
+                    if chunks is not None:
+                        chunks.chunk(framed)
+                    await out.write(framed)
+            else:
+                frames: list[bytes] = []
+                # The read's leading plain events' bytes (below), and where
+                # the rest starts.
+                at = 0
+                datas = (
+                    ([one] if one is not None else parser.plain(chunk))
+                    if by_datas is not None
+                    else None
+                )
+                if datas is None:
+                    events = parser.feed(chunk)
+                elif len(datas) == 1:
+                    # A read of one event (nearly every read of a stream that
+                    # comes as it is generated) costs less as an Event than the
+                    # searches below (and a comprehension is a frame of its own).
+                    events = [Event(datas[0], b"", len(datas[0]) + 7)]
+                    datas = None
+                # A chunk of whole one-line events, which is what framing each
+                # would make of it, is written as it came while its events go
+                # on unchanged (nearly always): not framed event by event.
+                verbatim = parser.verbatim and rewrite is None
+                # Its events' data are its bytes: one search of them all clears
+                # every event of being an error (nearly every read), where each
+                # was searched on its own.
+                errors = not verbatim or chunk.find(b"error") >= 0
+                if datas is not None and errors:
+                    events = [Event(data, b"", len(data) + 7) for data in datas]
+                elif datas is not None:
+                    # Whole one-line events, free of errors, going on unchanged:
+                    # those before the first that may be the usage chunk or
+                    # [DONE] (nearly all: one search of the read for each) are
+                    # plain, each what `event` would take as a content delta,
+                    # its trim showing it as it came or (a null usage, which
+                    # OpenAI puts in every chunk of a stream asked for usage)
+                    # without that member. Its readers are given their data at
+                    # once; no Event is made for each, and none is looked at by
+                    # itself again. The rest go as below.
+                    special = chunk.find(b'"usage"')
+                    null = -1  # where the first null usage is, if one comes before `special`
+                    while special >= 0 and chunk[special + 7 : special + 12] == b":null":
+                        if null < 0:
+                            null = special
+                        special = chunk.find(b'"usage"', special + 12)
+                    found = chunk.find(DONE)
+                    if special < 0 or 0 <= found < special:
+                        special = found
+                    count = len(datas)
+                    if special >= 0:
+                        # The rest start after the blank line before `special`;
+                        # counted from the read's end by their lengths (each
+                        # `data: `, its data and LF LF), not by a count of the
+                        # blank lines before it, which goes byte by byte.
+                        blank = chunk.rfind(b"\n\n", 0, special)
+                        at = blank + 2 if blank >= 0 else 0
+                        rest = len(chunk) - at
+                        while rest > 0:
+                            count -= 1
+                            rest -= len(datas[count]) + 8
+                    elif count:
+                        at = len(chunk)
+                    if count:
+                        plain = datas[:count] if count < len(datas) else datas
+                        for take in by_datas or ():
+                            take(plain)
+                        last = plain[-1]
+                        if trim is not None and 0 <= null < at:
+                            # Their null usages go (a Trim's, after the readers
+                            # had them): each framed as the trim shows it.
+                            verbatim = False
+                            for data in plain:
+                                if (shown := trim(data)) is not None:
+                                    frames.append(
+                                        b"data: " + shown + b"\n\n"
+                                        if shown.find(b"\n") < 0
+                                        else _frame(Event(shown))
+                                    )
+                    events = [Event(data, b"", len(data) + 7) for data in datas[count:]]
+                # Such a read, free of errors, reaches the client whole: its
+                # readers that take a read at once are given it so.
+                each = by_event if not errors else readers
+                if not errors and events:
+                    for read in by_read:
+                        read(events)
+                if (events or at) and idle is not None:
+                    # The idle timeout counts from the last event, not from the
+                    # last byte: an origin's comments (which the client is sent a
+                    # keep-alive for) keep no stalled stream open (trial 65: one
+                    # event, then `:` every second, held a stream 11 minutes).
+                    # Before its first event, a queue's or a prefill's comments
+                    # were the forwarder's to wait through (`first_chunk_within`,
+                    # from the call); a stream committed without one (more
+                    # comments than it holds) counts from its start.
+                    idle.progress()
+                for parsed in events:
+                    ev, data = parsed, parsed.data
+                    if not ev.done:
+                        if rewrite is not None:
+                            try:
+                                rewritten = rewrite(data)
+                            # An origin's bytes: whatever they hold, a cut, never a crash.
+                            except Exception as exc:
+                                cut = str(exc) or type(exc).__name__
+                                break
+                            if rewritten is None:
+                                continue
+                            if rewritten is not data:
+                                ev, data = Event(rewritten, ev.name), rewritten
+                        # is_error_event's first search, inline, in a read that
+                        # may hold an error: this runs for each of its events.
+                        elif errors and data.find(b"error", 0, 48) >= 0 and is_error_event(data):
+                            cut = ERROR_EVENT
+                            if verbatim:
+                                frames = _before(chunk, events, ev, at)
                             break
-                        if rewritten is None:
-                            continue
-                        if rewritten is not data:
-                            ev, data = Event(rewritten, ev.name), rewritten
-                    # is_error_event's first search, inline, in a read that
-                    # may hold an error: this runs for each of its events.
-                    elif errors and data.find(b"error", 0, 48) >= 0 and is_error_event(data):
-                        cut = ERROR_EVENT
+                    for reader in each:
+                        reader.event(ev)
+                    last = ev
+                    # A name first: nearly every event has none (a set lookup each).
+                    if ev.done or (ev.name and ev.name in RESPONSES_ENDS):
+                        done = True
+                    if trim is not None and (shown := trim(data)) is not data:
                         if verbatim:
                             frames = _before(chunk, events, ev, at)
-                        break
-                for reader in each:
-                    reader.event(ev)
-                last = ev
-                # A name first: nearly every event has none (a set lookup each).
-                if ev.done or (ev.name and ev.name in RESPONSES_ENDS):
-                    done = True
-                if trim is not None and (shown := trim(data)) is not data:
+                            verbatim = False
+                        if shown is None:
+                            continue
+                        data = shown  # framed below without an Event of its own
                     if verbatim:
-                        frames = _before(chunk, events, ev, at)
-                        verbatim = False
-                    if shown is None:
                         continue
-                    data = shown  # framed below without an Event of its own
-                if verbatim:
-                    continue
-                # _frame's common case (one data line, no name) inline: per event.
-                if not ev.name and data.find(b"\n") < 0:
-                    frames.append(b"data: " + data + b"\n\n")
-                else:
-                    frames.append(_frame(Event(data, ev.name)))
-            if verbatim and not cut:
-                frames = [chunk]
-            if frames:
-                framed = b"".join(frames)
-                if chunks is not None:
-                    chunks.chunk(framed)
-                await out.write(framed)
-            elif not cut and _comments(chunk) and (now := clock()) >= quiet_until:
-                # A read that completed no event, only the origin's comments
-                # (`: keep-alive`, `: ping`): the parser drops them, and the
-                # client, whose load balancer or browser may close a stream
-                # idle for long, would hear nothing while the origin pings (a
-                # new user's trial: 6 s of silence through the proxy, 1 s
-                # direct). One comment of its own, at most every
-                # KEEP_ALIVE_EVERY_S; looked for only in reads without an event.
-                quiet_until = now + KEEP_ALIVE_EVERY_S
-                if chunks is not None:
-                    chunks.chunk(KEEP_ALIVE)
-                await out.write(KEEP_ALIVE)
-            if done and not cut:  # the client has the whole answer: see _relay_bytes
-                end.complete = True
-                break
-            # A block past the bound (its events before it were written), or
-            # the one under way: never relayed, in part or whole.
-            # (Not asked of a `verbatim` read: see _relay_bytes.)
-            if not cut and not parser.verbatim and (parser.over or parser.held > max_event_bytes):
-                cut, too_long = _too_long(max_event_bytes), max_event_bytes
+                    # _frame's common case (one data line, no name) inline: per event.
+                    if not ev.name and data.find(b"\n") < 0:
+                        frames.append(b"data: " + data + b"\n\n")
+                    else:
+                        frames.append(_frame(Event(data, ev.name)))
+                if verbatim and not cut:
+                    frames = [chunk]
+                if frames:
+                    framed = b"".join(frames)
+                    if chunks is not None:
+                        chunks.chunk(framed)
+                    await out.write(framed)
+                elif not cut and _comments(chunk) and (now := clock()) >= quiet_until:
+                    # A read that completed no event, only the origin's comments
+                    # (`: keep-alive`, `: ping`): the parser drops them, and the
+                    # client, whose load balancer or browser may close a stream
+                    # idle for long, would hear nothing while the origin pings (a
+                    # new user's trial: 6 s of silence through the proxy, 1 s
+                    # direct). One comment of its own, at most every
+                    # KEEP_ALIVE_EVERY_S; looked for only in reads without an event.
+                    quiet_until = now + KEEP_ALIVE_EVERY_S
+                    if chunks is not None:
+                        chunks.chunk(KEEP_ALIVE)
+                    await out.write(KEEP_ALIVE)
+                if done and not cut:  # the client has the whole answer: see _relay_bytes
+                    end.complete = True
+                    break
+                # A block past the bound (its events before it were written), or
+                # the one under way: never relayed, in part or whole.
+                # (Not asked of a `verbatim` read: see _relay_bytes.)
+                if (
+                    not cut
+                    and not parser.verbatim
+                    and (parser.over or parser.held > max_event_bytes)
+                ):
+                    cut, too_long = _too_long(max_event_bytes), max_event_bytes
             if not cut:
                 try:
                     if idle is None:  # see _relay_bytes
@@ -748,7 +793,7 @@ async def _relay_events(
             following = await resume(cut, too_long)
             if following is None:
                 end.cut, end.too_long = cut, too_long
-                await out.write(_ending(error_event, last, too_long))
+                await out.write(_ending(error_event, _last_event(last), too_long))
                 break
             if following.origin:
                 end.continued.append(cut)
@@ -766,7 +811,7 @@ async def _relay_events(
     except ConnectionResetError:
         _client_left(end)
     except asyncio.CancelledError:
-        await _end_stopped(out, stopped, last, end, eof, done)
+        await _end_stopped(out, stopped, _last_event(last), end, eof, done)
         raise
     return end
 
@@ -831,6 +876,13 @@ def _by_datas(readers: Sequence[EventSink]) -> list[Callable[[list[bytes]], None
             return None
         by_datas.append(take)
     return by_datas
+
+
+def _last_event(last: Event | bytes | None) -> Event | None:
+    """The events relay's last event relayed, which it holds as its data
+    alone when it was a plain one (as a read's plain events are given to
+    DataSinks): an Event is made of it at a cut, not for every read."""
+    return Event(last, b"", len(last) + 7) if isinstance(last, bytes) else last
 
 
 def _client_left(end: RelayEnd) -> None:

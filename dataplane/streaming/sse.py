@@ -232,6 +232,38 @@ class SseParser:
                 return datas
         return None
 
+    def one(self, chunk: bytes) -> bytes | None:
+        """`plain(chunk)`'s one data when `chunk` is exactly one event of one
+        data line (`data: ` + data + LF LF), the parser then left as `plain`
+        leaves it; None, nothing consumed, when it is not (then `plain` or
+        `feed` it). `plain`'s test for a read of one event, alone and in
+        fewer calls: nearly every read of an origin that writes each event
+        as it generates it (vLLM, SGLang) is one."""
+        if (
+            chunk.find(b"\n") == len(chunk) - 2
+            and chunk[-1] == 0x0A
+            and chunk[:6] == b"data: "
+            # `verbatim` leaves nothing pending (plain's tests of it, at once).
+            and (
+                self.verbatim
+                or not (
+                    self._line
+                    or self._data
+                    or self._name
+                    or self._cr
+                    or self._size
+                    or self._start
+                    or self.over
+                )
+            )
+            and chunk.find(b"\r") < 0
+            and not (self._limit and len(chunk) - 1 > self._limit)
+        ):
+            self._start = None
+            self.verbatim = True
+            return chunk[6:-2]
+        return None
+
     def close(self) -> Event | None:
         """At the end of the stream: the event it stopped inside, if any.
 

@@ -107,14 +107,20 @@ def event_block(draw: st.DrawFn) -> list[bytes]:
 
 
 @st.composite
-def stream_reads(draw: st.DrawFn) -> list[bytes]:
-    """A stream's bytes cut into reads, mostly at its blocks' ends."""
+def stream_blocks(draw: st.DrawFn) -> list[bytes]:
+    """A stream's blocks, each with its blank line."""
     blocks = draw(st.lists(event_block(), min_size=1, max_size=12))
     if draw(st.booleans()):
         blocks.append([b"data: [DONE]"])
     crlf = draw(st.booleans()) and draw(st.booleans())
     end = b"\r\n" if crlf else b"\n"
-    pieces = [end.join(lines) + end + end for lines in blocks]
+    return [end.join(lines) + end + end for lines in blocks]
+
+
+@st.composite
+def stream_reads(draw: st.DrawFn) -> list[bytes]:
+    """A stream's bytes cut into reads, mostly at its blocks' ends."""
+    pieces = draw(stream_blocks())
     data = b"".join(pieces)
     cuts: set[int] = set()
     at = 0
@@ -190,6 +196,24 @@ async def test_plain_reads_give_what_event_by_event_gives(
     )
 
 
+@settings(max_examples=300)
+@given(
+    reads=stream_blocks(),
+    max_bytes=st.sampled_from([1 << 20, 600]),
+    limit=st.sampled_from([1 << 20, 300]),
+    trimmed=st.booleans(),
+)
+async def test_reads_of_one_event_each_give_what_event_by_event_gives(
+    reads: list[bytes], max_bytes: int, limit: int, trimmed: bool
+) -> None:
+    """An origin that writes each event as it generates it (vLLM, SGLang):
+    every read one block, which the relay takes by its one-event path
+    (SseParser.one) when it is a plain event."""
+    assert await relayed(reads, True, max_bytes, limit, trimmed) == await relayed(
+        reads, False, max_bytes, limit, trimmed
+    )
+
+
 class Taking:
     """A DataSink that notes how it was given each event."""
 
@@ -218,6 +242,26 @@ async def test_a_reads_content_deltas_are_given_as_data_and_the_rest_as_events()
     )
     assert [how for how, _ in taking.got] == ["datas"] * 3 + ["event"] * 3
     assert b"".join(out.written) == stream
+
+
+async def test_a_read_of_one_plain_event_is_given_as_data() -> None:
+    # Reads of one event each: a plain one (a null usage too) goes to the
+    # readers as its data; the usage chunk and [DONE] as events.
+    content = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
+    null = b"data: " + chunk_of(choices=[choice({"content": " ping"})], usage=None) + b"\n\n"
+    usage = b"data: " + chunk_of(choices=[], usage={"prompt_tokens": 1}) + b"\n\n"
+    reads = [content, null, content, usage, b"data: [DONE]\n\n"]
+    taking = Taking()
+    out = Out()
+    await relay(
+        reads[0],
+        Content(*reads[1:]),
+        cast(web.StreamResponse, out),
+        readers=[taking],
+        resume=no_resume,
+    )
+    assert [how for how, _ in taking.got] == ["datas"] * 3 + ["event"] * 2
+    assert b"".join(out.written) == b"".join(reads)
 
 
 class Watchful:

@@ -320,3 +320,33 @@ def test_a_verbatim_chunk_is_its_events_framed(chunks: list[bytes]) -> None:
         for i, ev in enumerate(events):
             assert chunk[:at] == b"".join(framed[:i])
             at += ev.size + 1
+
+
+@settings(max_examples=1000, database=None)
+@given(
+    st.lists(st.lists(_PIECES, max_size=8).map(b"".join), max_size=5),
+    st.sampled_from([0, 7, 8, 64]),
+)
+@example([b"data: x\ny", b"\n\n"], 0)  # one LF where the blank line's first goes
+def test_one_gives_what_feed_gives(chunks: list[bytes], limit: int) -> None:
+    """Differential: `one` (the relay's test for a read of one event) gives
+    the data of a chunk of one plain event, the parser then left as feeding
+    it leaves it (`verbatim`), or None and nothing consumed: the same events
+    (sizes too), `over`, `held` and end as fed a byte at a time (no fast path),
+    after any state and under any bound (none, one an 8-byte event passes,
+    ones it does not)."""
+    parser, bytewise = SseParser(limit), SseParser(limit)
+    for chunk in chunks:
+        data = parser.one(chunk)
+        if data is None:
+            events = parser.feed(chunk)
+        else:
+            assert parser.verbatim
+            events = [Event(data, b"", len(data) + 7)]
+        alone = [ev for i in range(len(chunk)) for ev in bytewise.feed(chunk[i : i + 1])]
+        assert [(ev, ev.size) for ev in events] == [(ev, ev.size) for ev in alone]
+        assert parser.over == bytewise.over
+        if parser.over:  # what it holds then is nobody's: the relay cuts
+            return
+        assert parser.held == bytewise.held
+    assert parser.close() == bytewise.close()
