@@ -599,6 +599,27 @@ class StreamRecorder:
             like = self._like if self.reason is None and not self._done else None
         self._size = size
 
+    def data(self, payload: bytes) -> None:
+        """`datas([payload])`, one call and no list (a DataSink's: the relay
+        gives a read of one plain event so): `datas`'s test of a payload,
+        for one."""
+        like = self._like if self.reason is None and not self._done else None
+        if like is not None:
+            head, tail, start, after, obfuscated = like
+            value = payload.rfind(_OBFUSCATION) + len(_OBFUSCATION) if obfuscated else len(payload)
+            end = value - after
+            if (
+                end >= start
+                and payload[:start] == head
+                and payload[end:value] == tail
+                and _TEXT_BODY.fullmatch(payload, start, end) is not None
+                and (not obfuscated or _last_string(payload, value))
+                and (payload.isascii() or _utf8(payload))
+            ):
+                self._keep(payload)
+                return
+        self._record(Event(payload))
+
     def _record(self, ev: Event) -> None:
         """Record an event not told by `read` to be like the last chunk kept."""
         if self.reason is not None:

@@ -118,6 +118,12 @@ class DataSink(EventSink, Protocol):
         no Event made for each, when every reader has this method."""
         ...
 
+    def data(self, data: bytes) -> None:
+        """`datas([data])`, one call and no list: the events relay gives a
+        read of one plain event so (nearly every read of an origin that
+        writes each event as it generates it)."""
+        ...
+
 
 class ChunkSink(Protocol):
     def chunk(self, data: bytes) -> None: ...
@@ -566,8 +572,9 @@ async def _relay_events(
     eof = False  # the stream's end is being written: nothing more may be
     quiet_until = float("-inf")  # no keep-alive is written before (`clock`)
     by_read, by_event = _by_read(readers)
-    # Every reader's `datas` (DataSink's), or None when one has none.
-    by_datas = _by_datas(readers)
+    # Every reader's `datas` and `data` (DataSink's), or None when one has none.
+    sinks = _by_datas(readers)
+    by_datas, by_data = sinks if sinks is not None else (None, None)
     try:
         while True:
             cut = ""
@@ -586,10 +593,9 @@ async def _relay_events(
                 special = null = chunk.find(b'"usage"')
                 while special >= 0 and chunk[special + 7 : special + 12] == b":null":
                     special = chunk.find(b'"usage"', special + 12)
-            if special < 0 and one is not None and by_datas is not None:
-                ones = [one]
-                for take in by_datas:
-                    take(ones)
+            if special < 0 and one is not None and by_data is not None:
+                for take_one in by_data:
+                    take_one(one)
                 last = one
                 if idle is not None:
                     idle.progress()  # an event: see below
@@ -867,15 +873,21 @@ def _by_read(
     return by_read, by_event
 
 
-def _by_datas(readers: Sequence[EventSink]) -> list[Callable[[list[bytes]], None]] | None:
-    """`readers`' `datas` methods (DataSink's), None when one has none."""
+def _by_datas(
+    readers: Sequence[EventSink],
+) -> tuple[list[Callable[[list[bytes]], None]], list[Callable[[bytes], None]]] | None:
+    """`readers`' `datas` and `data` methods (DataSink's), None when one
+    has not both."""
     by_datas: list[Callable[[list[bytes]], None]] = []
+    by_data: list[Callable[[bytes], None]] = []
     for reader in readers:
         take = getattr(reader, "datas", None)
-        if take is None:
+        one = getattr(reader, "data", None)
+        if take is None or one is None:
             return None
         by_datas.append(take)
-    return by_datas
+        by_data.append(one)
+    return by_datas, by_data
 
 
 def _last_event(last: Event | bytes | None) -> Event | None:

@@ -101,9 +101,15 @@ class Transcript:
         self._budget = budget
 
     def event(self, ev: Event) -> None:
-        if ev.done or self.overflow:
+        if not ev.done:
+            self.data(ev.data)
+
+    def data(self, data: bytes) -> None:
+        """`event` of an unnamed event of `data`, not `[DONE]` (a DataSink's:
+        the relay gives a read of one plain event so)."""
+        if self.overflow:
             return
-        size = len(ev.data)
+        size = len(data)
         self._size += size
         budget = self._budget
         if budget is not None:
@@ -116,7 +122,7 @@ class Transcript:
             # stream continuable).
             self._stop(PROXY_BOUND)
         else:
-            self.events.append(ev.data)
+            self.events.append(data)
 
     def read(self, events: list[Event]) -> None:
         """`event` of each of `events` in order (the relay gives a read's

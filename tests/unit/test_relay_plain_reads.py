@@ -226,6 +226,9 @@ class Taking:
     def datas(self, datas: list[bytes]) -> None:
         self.got += [("datas", data) for data in datas]
 
+    def data(self, data: bytes) -> None:
+        self.got.append(("datas", data))
+
 
 async def test_a_reads_content_deltas_are_given_as_data_and_the_rest_as_events() -> None:
     content = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
