@@ -616,7 +616,12 @@ class StreamRecorder:
                 and (not obfuscated or _last_string(payload, value))
                 and (payload.isascii() or _utf8(payload))
             ):
-                self._keep(payload)
+                # `_keep`, inline.
+                self._size += len(payload) + CHUNK_OVERHEAD
+                if self._max_bytes is not None and self._size > self._max_bytes:
+                    self._too_large()
+                else:
+                    self._chunks.append(payload)
                 return
         self._record(Event(payload))
 

@@ -589,7 +589,9 @@ async def _relay_events(
             one = parser.one(chunk) if by_datas is not None and rewrite is None else None
             special = 0  # where a usage but a null one starts: < 0, none
             null = -1  # where a null usage starts (OpenAI's, SGLang's: every chunk)
-            if one is not None and chunk[6] == 0x7B and chunk.find(b"error") < 0:
+            # partition, not find, where only whether it holds a word is asked:
+            # one argument, not a tuple of them parsed (dataplane.streaming.usage).
+            if one is not None and chunk[6] == 0x7B and not chunk.partition(b"error")[1]:
                 special = null = chunk.find(b'"usage"')
                 while special >= 0 and chunk[special + 7 : special + 12] == b":null":
                     special = chunk.find(b'"usage"', special + 12)
@@ -625,9 +627,10 @@ async def _relay_events(
                 if datas is None:
                     events = parser.feed(chunk)
                 elif len(datas) == 1:
-                    # A read of one event (nearly every read of a stream that
-                    # comes as it is generated) costs less as an Event than the
-                    # searches below (and a comprehension is a frame of its own).
+                    # A read of one event the path above did not take (a usage
+                    # chunk, [DONE], one that may be an error) costs less as an
+                    # Event than the searches below (and a comprehension is a
+                    # frame of its own).
                     events = [Event(datas[0], b"", len(datas[0]) + 7)]
                     datas = None
                 # A chunk of whole one-line events, which is what framing each

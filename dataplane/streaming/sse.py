@@ -256,7 +256,8 @@ class SseParser:
                     or self.over
                 )
             )
-            and chunk.find(b"\r") < 0
+            # partition: one argument, where find parses a tuple of them.
+            and not chunk.partition(b"\r")[1]
             and not (self._limit and len(chunk) - 1 > self._limit)
         ):
             self._start = None

@@ -478,7 +478,7 @@ class UsageCounter:
         gives a read of one plain event so). Its body is `datas`'s loop's,
         for one: a twin kept for speed, as `datas` is `event`'s."""
         self.event_bytes += len(data)
-        if data.find(_USAGE_KEY) < 0:
+        if not data.partition(_USAGE_KEY)[1]:  # not find: see `event`
             self._keyless = data
         else:
             self._keyless, self._null = None, data

@@ -202,13 +202,21 @@ async def test_plain_reads_give_what_event_by_event_gives(
     max_bytes=st.sampled_from([1 << 20, 600]),
     limit=st.sampled_from([1 << 20, 300]),
     trimmed=st.booleans(),
+    finished=st.booleans(),
 )
 async def test_reads_of_one_event_each_give_what_event_by_event_gives(
-    reads: list[bytes], max_bytes: int, limit: int, trimmed: bool
+    reads: list[bytes], max_bytes: int, limit: int, trimmed: bool, finished: bool
 ) -> None:
     """An origin that writes each event as it generates it (vLLM, SGLang):
     every read one block, which the relay takes by its one-event path
-    (SseParser.one) when it is a plain event."""
+    (SseParser.one) when it is a plain event. `finished`: the answer ends
+    as a whole one does (a finish, then [DONE]), so that the recorder may
+    keep an entry, whose chunks are compared."""
+    if finished:
+        reads = [
+            *reads,
+            b"data: " + chunk_of(choices=[choice({}, "stop")]) + b"\n\ndata: [DONE]\n\n",
+        ]
     assert await relayed(reads, True, max_bytes, limit, trimmed) == await relayed(
         reads, False, max_bytes, limit, trimmed
     )
