@@ -6,7 +6,7 @@ restarts; a replica's death moves its sessions to one new replica with no
 failed request; a hot shared prefix spreads once its replica passes the load
 bound; a replica busy with requests no proxy sent (known only from the
 control plane's scrape) is avoided until they end; a drained replica moves
-only its own sessions, and its preamble's conversations all go to the next one;
+only its own sessions and preambles, each preamble's conversations together;
 the same session key from two tenants is two sessions.
 """
 
@@ -247,13 +247,20 @@ def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
     sessions = [f"drain-{i}" for i in range(32)]
     placed = {s: home(fleet, "p0", user("before"), s) for s in sessions}
 
-    def question(i: int) -> list[dict[str, str]]:
-        return [{"role": "system", "content": "Drain test. " + PREAMBLE}, *user(f"q{i}?")]
+    def question(preamble: int, i: int) -> list[dict[str, str]]:
+        system = f"Drain test {preamble}. " + PREAMBLE
+        return [{"role": "system", "content": system}, *user(f"q{i}?")]
 
-    convos = {i: home(fleet, "p1", question(i)) for i in range(24)}
-    # The preamble's replica leaves (neither crash nor probe: the table
-    # drops it at once).
-    (victim,) = set(convos.values())
+    # Three conversations each behind eight preambles: each preamble's on one
+    # replica, the preambles over several.
+    convos = {(p, i): home(fleet, "p1", question(p, i)) for p in range(8) for i in range(3)}
+    preambles: dict[int, str] = {}
+    for p in range(8):
+        (preambles[p],) = {convos[p, i] for i in range(3)}
+    assert len(set(preambles.values())) > 1, preambles
+    # The replica of the most preambles leaves (neither crash nor probe: the
+    # table drops it at once).
+    victim = Counter(preambles.values()).most_common(1)[0][0]
     admin = fleet.admin()
     admin.DrainOrigin(apb.DrainRequest(name=victim, drained=True), timeout=10)
     try:
@@ -265,10 +272,17 @@ def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
             assert len(now) == 1 and victim not in now, (s, now)
             if was != victim:
                 assert now == {was}, (s, was, now)  # only the leaver's sessions move
-        # The preamble's conversations all go to its next replica, the same
-        # from every proxy.
-        after = {replica(ask(fleet, p, question(i))) for i in convos for p in PROXIES}
-        assert len(after) == 1 and victim not in after, after
+        # The leaver's preambles move, each with all its conversations to one
+        # replica, the same from every proxy, still by its key; the others'
+        # preambles stay (a ranking of preambles that depended on the group,
+        # not on each replica alone, would move them too).
+        for p, was in preambles.items():
+            seen = [ask(fleet, proxy, question(p, i)) for i in range(3) for proxy in PROXIES]
+            now = {replica(r) for r in seen}
+            assert len(now) == 1 and victim not in now, (p, now)
+            assert {r.headers["x-ponto-route"] for r in seen} == {"prefix"}, p
+            if was != victim:
+                assert now == {was}, (p, was, now)
     finally:
         admin.DrainOrigin(apb.DrainRequest(name=victim, drained=False), timeout=10)
     # Back in the table, it has all its sessions and conversations again:
@@ -278,8 +292,8 @@ def test_a_drained_replica_moves_only_its_own_sessions(fleet: Fleet) -> None:
     )
     for s, was in placed.items():
         assert replica(ask(fleet, "p2", user("undrained"), session=s)) == was
-    for i, was in convos.items():
-        assert replica(ask(fleet, "p0", question(i))) == was
+    for (p, i), was in convos.items():
+        assert replica(ask(fleet, "p0", question(p, i))) == was
 
 
 def test_a_dead_replica_re_pins_its_sessions_with_no_failed_request(fleet: Fleet) -> None:
