@@ -324,7 +324,7 @@ def test_a_preambles_conversations_stay_under_the_load_bound() -> None:
         placed[order[0].name] += 1
     assert max(placed.values()) <= DEFAULT_LOAD_BOUND * 200 / 8 + 1
     assert len(placed) == 8
-    # Under its capacities, a turn keeps its conversation's replica.
+    # Under its capacities, a turn keeps its preamble's replica.
     loads = LoadBoard()
     key = Key(99, "prefix", "prefix", within=5)
     home = Picker(loads).order([GROUP], AFFINITY, key)[0][0]
