@@ -248,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", type=int, help="picker.PREFIX_SPREAD, where it has one")
     args = p.parse_args(argv)
     if args.spread is not None:
-        vars(picker_module)["PREFIX_SPREAD"] = args.spread  # a checkout may not have it
+        # Set on a checkout that has no PREFIX_SPREAD (0c5d74eb on), it would
+        # be read by nothing, and the run printed as its k would be one level.
+        if not hasattr(picker_module, "PREFIX_SPREAD"):
+            p.error(f"--spread: {picker_module.__file__} has no PREFIX_SPREAD (one level)")
+        vars(picker_module)["PREFIX_SPREAD"] = args.spread
     spread = getattr(picker_module, "PREFIX_SPREAD", None)
     print(
         f"dataplane: {dataplane.__file__}; mode {args.mode}; weights {args.weights};"
