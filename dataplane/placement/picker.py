@@ -174,7 +174,7 @@ class Picker:
         # 140-162 ms; with one level, 99 % and 19 ms. Trial 95's chats
         # (bench/chat_placement.py, docs/routing.md) found as much on their
         # second turns with one level (90-96 % against 91-95 %, 12 at once;
-        # 90-94 % both, 48 at once) and more on their first (73-81 % against
+        # 90-94 % both, 48 at once) and more on their first (72-81 % against
         # 60-81 %, 12 at once). A replica that leaves moves only its own
         # keys, once: to the one they failed over to.
         order = ranked(group, key.value)
