@@ -8,6 +8,7 @@ themselves.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import random
@@ -215,32 +216,40 @@ class Children:
     `start` may be called from several threads at once (bench/affinity.py
     starts its replicas four at a time): the set of children is replaced
     under a lock, never changed in place, so a reader iterating over it
-    (`running`, `stop`, another `start`) never sees it change size.
+    (`running`, `stop`, another `start`) never sees it change size. A guarded
+    handler decides to wait under the same lock, so a start in another
+    thread cannot end between its look and its deferral (and leave it
+    deferred for good); the lock is reentrant because the handler runs in
+    the main thread, which may hold it in a start of its own.
     """
 
     def __init__(self) -> None:
         self._live: frozenset[subprocess.Popen[bytes]] = frozenset()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._starting = 0  # starts under way, in any thread
-        self._pending: Callable[[], object] | None = None
+        self._pending: tuple[int, Callable[[], object]] | None = None  # (signum, call)
 
     def guard(self, handler: Callable[[int, FrameType | None], object]) -> SignalHandler:
         """`handler`, run only once no child is half started."""
 
         def guarded(signum: int, frame: FrameType | None) -> None:
-            if self._starting:
-                self._pending = partial(handler, signum, frame)
-            else:
-                handler(signum, frame)
+            with self._lock:
+                if self._starting:
+                    self._pending = signum, partial(handler, signum, frame)
+                    return
+            handler(signum, frame)
 
         return guarded
 
     def start(
         self, argv: list[str], log: IO[bytes], env: dict[str, str]
     ) -> subprocess.Popen[bytes]:
-        """Popen, registered before a guarded signal handler can run; a
-        deferred handler runs once the last start under way ends, in the
-        thread of that start."""
+        """Popen, registered before a guarded signal handler can run. A
+        handler deferred meanwhile runs once the last start under way ends:
+        at once when that start is the main thread's; else that thread hands
+        the signal back to the main thread (`_thread.interrupt_main`), where
+        signal handlers run (one that raises KeyboardInterrupt in a worker
+        thread would stop nothing), through the handler installed for it."""
         with self._lock:
             self._starting += 1
         try:
@@ -250,10 +259,15 @@ class Children:
         finally:
             with self._lock:
                 self._starting -= 1
-                last = not self._starting
-        if last and self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending()
+                pending = None
+                if not self._starting:
+                    pending, self._pending = self._pending, None
+            if pending is not None:  # also when Popen failed: the signal is not lost
+                signum, call = pending
+                if threading.current_thread() is threading.main_thread():
+                    call()
+                else:
+                    _thread.interrupt_main(signal.Signals(signum))
         return proc
 
     def running(self) -> list[subprocess.Popen[bytes]]:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -296,3 +297,68 @@ def test_children_are_started_from_several_threads_at_once() -> None:
     assert isinstance(first, Child) and isinstance(second, Child), second
     assert [type(o) for o in outcomes] == [Child], outcomes
     assert set(children.running()) == {first, second, *outcomes}
+
+
+def test_a_signal_deferred_by_another_threads_start_is_handled_in_the_main_thread() -> None:
+    """A start in a worker thread defers a guarded handler as the main
+    thread's does; once it ends, the handler runs in the main thread, where
+    Python runs signal handlers (the demo's raises KeyboardInterrupt: raised
+    in a worker it would stop nothing)."""
+    children = devenv.Children()
+    ran_in: list[str] = []
+    inside, go = threading.Event(), threading.Event()
+
+    class Child:
+        def __init__(self, *args: object, **kw: object) -> None:
+            inside.set()
+            go.wait(10)
+
+        def poll(self) -> int | None:
+            return None
+
+    def handler(signum: int, frame: object) -> None:
+        ran_in.append(threading.current_thread().name)
+
+    worker = threading.Thread(
+        target=lambda: children.start([], cast(IO[bytes], None), {}), name="worker"
+    )
+    old = signal.signal(signal.SIGUSR1, children.guard(handler))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(subprocess, "Popen", Child)
+            worker.start()
+            assert inside.wait(10)
+            signal.raise_signal(signal.SIGUSR1)  # the worker's child is half started
+            assert ran_in == []  # deferred
+            go.set()
+            worker.join(10)
+        for _ in range(100):  # the main thread runs it at its next check
+            if ran_in:
+                break
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert ran_in == [threading.main_thread().name]
+
+
+def test_a_signal_deferred_by_a_start_that_fails_is_handled_then() -> None:
+    """A signal that lands while Popen fails is handled as the start ends,
+    not kept for whichever start comes next."""
+    children = devenv.Children()
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    guarded = children.guard(handler)
+
+    def popen_fails(*args: Any, **kw: Any) -> Any:
+        guarded(signal.SIGTERM, None)
+        raise OSError("no such program")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "Popen", popen_fails)
+        with pytest.raises(KeyboardInterrupt):
+            children.start([], cast(IO[bytes], None), {})
+    assert seen == [signal.SIGTERM]
