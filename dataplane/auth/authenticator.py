@@ -172,9 +172,10 @@ class JwtConfig:
     `audiences` leaves ``aud`` unchecked (the route table's contract allows
     it), which accepts any token of that issuer, including ones minted for
     other services: configure an audience wherever the issuer is shared.
-    `leeway_s` is the clock skew allowed on ``exp`` and
-    ``nbf``. The claim named by `key_id_claim` identifies the caller within
-    the tenant (for rate limits and logs).
+    `leeway_s` is the clock skew allowed on ``exp``, ``nbf`` and ``iat``
+    (a token issued later than now plus it is refused). The claim named by
+    `key_id_claim` identifies the caller within the tenant (for rate limits
+    and logs).
 
     `max_lifetime_s` bounds how long a token may be valid: one whose
     ``exp - iat`` exceeds it, or whose ``exp`` is further than it from now (so
@@ -839,6 +840,11 @@ class _JwtVerifier:
         iat = claims.get("iat")
         if iat is not None and not _is_number(iat):
             raise _bad_token("'iat' must be a number")
+        # Issued later than now, past the skew allowed: refused as PyJWT's
+        # own check (off here, it reads the wall clock) refuses it, with
+        # nbf's leeway.
+        if iat is not None and now + self.leeway < iat:
+            raise _bad_token("not valid yet ('iat')")
         if exp - now > longest or (iat is not None and exp - iat > longest):
             raise _bad_token(
                 f"it is valid for longer than this issuer allows ({self.config.max_lifetime_s:g} s)"

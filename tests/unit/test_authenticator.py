@@ -646,6 +646,19 @@ def test_nbf_with_leeway(rsa_key: rsa.RSAPrivateKey) -> None:
     assert "nbf" in error.message
 
 
+def test_an_iat_in_the_future_past_the_leeway_is_refused(rsa_key: rsa.RSAPrivateKey) -> None:
+    # As PyJWT refuses it (its check is off here: it reads the wall clock),
+    # with the leeway nbf has.
+    auth = build(
+        jwts=[config(leeway_s=10)],
+        files={"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))},
+    )
+    assert auth.authenticate(bearer(rs256(rsa_key, iat=int(NOW) + 10)), NOW).tenant == "acme"
+    error = fails(auth, bearer(rs256(rsa_key, iat=int(NOW) + 11)))
+    assert error.code == "invalid_token"
+    assert error.message == "Invalid token: not valid yet ('iat')."
+
+
 def test_audience(rsa_key: rsa.RSAPrivateKey) -> None:
     files = {"/etc/ponto/acme.jwks": jwks(rsa_jwk(rsa_key, "k1"))}
     auth = build(jwts=[config(audiences=("ponto", "ponto-eu"))], files=files)
