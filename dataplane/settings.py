@@ -20,7 +20,7 @@ from dataplane.placement.keys import SESSION_HEADER
 from dataplane.policy import DEFAULT_MAX_ENTRY_BYTES, DEFAULT_SEMANTIC_THRESHOLD, CacheDefaults
 from dataplane.ratelimit.limiter import DEMAND_TAU_S
 from dataplane.streaming.splice import DEFAULT_TRANSCRIPTS_BYTES
-from dataplane.upstream.forwarder import UpstreamSettings
+from dataplane.upstream.forwarder import NEVER_FORWARDED, UpstreamSettings
 from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QUEUE_TIMEOUT
 from ponto.cliargs import finite_float, listen_address, path
@@ -429,8 +429,9 @@ def parse(argv: list[str]) -> Settings:
     p.add_argument(
         "--forward-headers",
         default="",
-        help="extra client headers to pass to origins, comma-separated "
-        "(Authorization is never passed; default: none)",
+        help="extra client headers to pass to origins, comma-separated; naming one "
+        "the proxy never passes (Authorization, Cookie, hop-by-hop ones such as Connection, "
+        "or one it sets such as Content-Type) stops it at start (default: none)",
     )
     p.add_argument(
         "--geoip-db",
@@ -665,8 +666,14 @@ def parse(argv: list[str]) -> Settings:
     if a.max_origin_connections_per_tenant < 0:
         p.error("--max-origin-connections-per-tenant must be 0 (half) or more")
     forward = tuple(h.strip().lower() for h in a.forward_headers.split(",") if h.strip())
-    if any(h in ("authorization", "host", "content-length", "cookie") for h in forward):
-        p.error("--forward-headers must not name authorization, host, content-length or cookie")
+    # A name the proxy would drop anyway (hop-by-hop, a credential, or one it
+    # sets itself) is refused, not ignored: the operator who named it expects
+    # the origin to get it (trial 99).
+    if never := [h for h in dict.fromkeys(forward) if h in NEVER_FORWARDED]:
+        p.error(
+            f"--forward-headers names {', '.join(never)}, which the proxy never forwards "
+            f"(never: {', '.join(sorted(NEVER_FORWARDED))})"
+        )
     if not a.stream_idle_timeout > 0:
         p.error("--stream-idle-timeout must be positive")
     if a.first_chunk_timeout is not None and not a.first_chunk_timeout > 0:

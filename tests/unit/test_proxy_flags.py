@@ -289,3 +289,38 @@ def test_every_flag_with_a_default_states_it_in_the_help(
     ]
     assert missing == []
     assert "default 8388608, 8 MiB" in parser_flags["--max-body-bytes"]
+
+
+@pytest.mark.parametrize(
+    ("named", "refused"),
+    [
+        ("authorization", "authorization"),
+        ("X-Hint,Cookie", "cookie"),
+        ("connection", "connection"),
+        ("keep-alive,te", "keep-alive, te"),
+        ("proxy-authorization", "proxy-authorization"),
+        ("proxy-authenticate", "proxy-authenticate"),
+        ("Trailer", "trailer"),
+        ("transfer-encoding", "transfer-encoding"),
+        ("upgrade", "upgrade"),
+        ("content-type,x-hint,content-type", "content-type"),
+        ("content-length", "content-length"),
+        ("host", "host"),
+    ],
+)
+def test_a_forwarded_header_the_proxy_never_forwards_is_refused_at_start(
+    named: str, refused: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Trial 99: only authorization, host, content-length and cookie were
+    # refused; a hop-by-hop name or content-type was accepted and dropped.
+    with pytest.raises(SystemExit) as exit_:
+        parse([*BASE, "--state-dir", str(tmp_path), "--forward-headers", named])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"--forward-headers names {refused}, which the proxy never forwards" in err
+
+
+def test_forwarded_headers_the_proxy_may_forward_are_taken(tmp_path: Path) -> None:
+    named = "X-Hint, x-sim-mark,user-agent"
+    settings = parse([*BASE, "--state-dir", str(tmp_path), "--forward-headers", named])
+    assert settings.upstream.forward_headers == ("x-hint", "x-sim-mark", "user-agent")
