@@ -69,6 +69,8 @@ class RefusalLog:
         escaped so that it cannot end the line and forge others (trial 36),
         and a credential in it is redacted (a key or a token pasted where a
         model or a path goes; `redact_credentials`).
+        `request_id` (the client's own, when it sent one the proxy kept) is
+        escaped as they are, not cut.
         `about` (whose request it was, what the client is not told) follows
         the message, after its cut, so that a long message cannot cut it off.
         """
@@ -77,7 +79,9 @@ class RefusalLog:
             return False
         self._log.info(
             "refused %s %s from %s: %s %s: %s%s%s",
-            request_id,
+            # A client's own id is printable ASCII (requestid), a backslash
+            # allowed: escaped too, or its `\n` would read as the log's.
+            printable(request_id),
             printable(redact_credentials(what[:200])),
             unmapped(remote) if remote else "-",
             status,

@@ -65,6 +65,17 @@ def test_an_escape_in_a_line_is_always_the_logs_own() -> None:
     assert printable("plain text, no escape") == "plain text, no escape"
 
 
+def test_a_clients_request_id_is_escaped_as_the_rest_of_the_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A client's id may hold a backslash (requestid keeps printable ASCII):
+    # written as it is, its `\n` read as an escape the line's quotes make.
+    log = RefusalLog(logging.getLogger("t.id"), clock=Clock())
+    with caplog.at_level(logging.INFO, logger="t.id"):
+        log.refused(400, None, "bad", request_id="a\\nb", what="POST /x")
+    assert caplog.records[0].getMessage().startswith("refused a\\\\nb POST /x from -")
+
+
 def test_a_key_the_client_put_in_its_request_is_logged_without_its_secret(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
