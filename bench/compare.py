@@ -363,8 +363,9 @@ def wait_ready(fleet: Fleet, name: str, timeout: float = 15.0) -> None:
 
 
 def cache_stats(address: str) -> dict[str, float]:
-    """Ponto's exact-cache counters from its /metrics: hit, miss, entries, bytes, evictions
-    (0 for what is absent); {} if the proxy does not answer."""
+    """Ponto's exact-cache counters from its /metrics at `address` (its metrics
+    port, Fleet.metrics_addresses): hit, miss, entries, bytes, evictions (0 for
+    what is absent); {} if the proxy does not answer."""
     names = {
         'ponto_cache_requests_total{kind="exact",result="hit"}': "hit",
         'ponto_cache_requests_total{kind="exact",result="miss"}': "miss",
@@ -706,7 +707,7 @@ def measure(
     seat: Target | None = None,
 ) -> dict[str, Phase]:
     """Every phase but scaling, in order (see the module docstring); the exact-cache
-    phase only with `ponto_cache`, the address of a Ponto whose cache is on, and
+    phase only with `ponto_cache`, the metrics port of a Ponto whose cache is on, and
     against `seat` (the bare origin where the servers sit) too when given; "cpu"
     only with `cpu`."""
     phases: dict[str, Phase] = {}
@@ -820,9 +821,9 @@ def scaling(
         # that the one-worker proxy, its buckets long full, does not pay. The
         # group is measured once its buckets are full too.
         time.sleep(max(0.0, tabled + BUCKETS_FILL_S - time.monotonic()))
-    before = worker_answers(group.address)
+    before = worker_answers(fleet.metrics_addresses[group.name])
     phase = wrk_phase("scaling", [one, many], origin.pid, plan, frozenset(every), body=CANNED_BODY)
-    after = worker_answers(group.address)
+    after = worker_answers(fleet.metrics_addresses[group.name])
     if many.key in phase.results and after:
         # How the kernel spread wrk's connections (SO_REUSEPORT hashes each
         # one to a worker): the warm-ups' answers are in it too.
@@ -833,9 +834,9 @@ def scaling(
 
 
 def worker_answers(address: str) -> dict[str, float]:
-    """Chat completions each worker of the group at `address` has answered,
-    by its index (the group's /metrics, ponto_requests_total); {} if it does
-    not answer."""
+    """Chat completions each worker of the group whose metrics port is
+    `address` has answered, by its index (the group's /metrics,
+    ponto_requests_total); {} if it does not answer."""
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             return answers_by_worker(resp.read().decode())
@@ -1020,11 +1021,11 @@ def measure_all(args: argparse.Namespace, plan: Plan, report: dict[str, Any]) ->
                 targets,
                 origin.proc.pid,
                 plan,
-                ponto_cache=proxy.address if cache_on else None,
+                ponto_cache=fleet.metrics_addresses[proxy.name] if cache_on else None,
                 cpu=cpu,
                 seat=seat,
             )
-            report["ponto_cache_at_end"] = cache_stats(proxy.address)
+            report["ponto_cache_at_end"] = cache_stats(fleet.metrics_addresses[proxy.name])
             # Before scaling, which loads the proxy on every CPU.
             measured = Measured(
                 targets,

@@ -94,6 +94,11 @@ class System:
         return self.fleet.proxies["fuzz-proxy"]
 
     @property
+    def metrics_address(self) -> str:
+        """The proxy's metrics port (its /metrics)."""
+        return self.fleet.metrics_addresses["fuzz-proxy"]
+
+    @property
     def origin(self) -> Managed:
         return self.fleet.origins["fuzz-origin"]
 
@@ -660,7 +665,7 @@ async def fuzz(system: System, config: FuzzConfig) -> FuzzReport:
         tracebacks=count_tracebacks(system.proxy.log_path, log_offset),
         proxy_alive=system.proxy.alive(),
         origin_alive=system.origin.alive(),
-        cache_bytes=cache_stats(system.proxy.address).get("bytes", 0.0),
+        cache_bytes=cache_stats(system.metrics_address).get("bytes", 0.0),
     )
 
 

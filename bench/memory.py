@@ -89,7 +89,7 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         peak_mb = status_kb(pid, "VmHWM") / 1024
-        cache = cache_stats(proxy.address)
+        cache = cache_stats(fleet.metrics_addresses[proxy.name])
     return {
         "features": what,
         "cache_bound_mb": cache_mb,

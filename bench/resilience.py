@@ -255,7 +255,7 @@ def sim_requests(fleet: Fleet, names: Sequence[str]) -> int:
 def proxy_metric(fleet: Fleet, name: str, labels: str) -> float:
     """A counter of the proxy's /metrics (0 when absent), e.g. ponto_hedges_total
     with labels 'outcome="started"'."""
-    url = f"http://{fleet.proxies['p'].address}/metrics"
+    url = fleet.metrics_url("p")
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
     pattern = re.escape(name) + r"\{" + re.escape(labels) + r"\} ([0-9.e+]+)"

@@ -185,7 +185,7 @@ async def soak(
                 fewest_fds = min(fewest_fds, open_fds(pid))
                 next_check += 1.0
             if now >= next_sample:
-                stats = await asyncio.to_thread(proxy_stats, system.proxy.address)
+                stats = await asyncio.to_thread(proxy_stats, system.metrics_address)
                 samples.append(
                     Sample(now - start, round(rss_mb(pid), 2), fewest_fds, stats, load.done)
                 )
@@ -202,7 +202,7 @@ async def soak(
             n += 1
             await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
         await asyncio.gather(*tasks)
-    stats = proxy_stats(system.proxy.address)
+    stats = proxy_stats(system.metrics_address)
     samples.append(
         Sample(time.monotonic() - start, round(rss_mb(pid), 2), open_fds(pid), stats, load.done)
     )
@@ -430,7 +430,7 @@ def wait_semantic(system: System, timeout: float = 120.0) -> None:
         )
         with contextlib.suppress(OSError):
             urllib.request.urlopen(request, timeout=10).close()
-        if proxy_stats(system.proxy.address).get("semantic_entries", 0) > 0:
+        if proxy_stats(system.metrics_address).get("semantic_entries", 0) > 0:
             return
         time.sleep(1.0)
     raise SystemExit("the proxy's semantic index did not load")

@@ -178,7 +178,8 @@ def own_proxy_command(fleet: Fleet, port: int) -> list[str]:
     """A proxy of the first proxy's region on `port`, named OWN_PROXY: the
     first proxy's own command line (the control planes, certificates and
     bootstrap token, the GeoIP database, the region's Redis), with its name,
-    address and state directory changed and no ready file."""
+    address and state directory changed, and no ready file or metrics port
+    (the first proxy's is taken; without one /metrics is on `port`)."""
     first = fleet.proxies[next(iter(fleet.proxies))]
     argv = first.argv[3:]  # after `python -m dataplane`
     changed = {"--listen": f"127.0.0.1:{port}", "--name": OWN_PROXY,
@@ -186,7 +187,7 @@ def own_proxy_command(fleet: Fleet, port: int) -> list[str]:
     script = Path(sys.executable).with_name("ponto-proxy")  # the venv's entry point
     own = [str(script)] if script.exists() else [sys.executable, "-m", "dataplane"]
     for flag, value in zip(argv[::2], argv[1::2], strict=True):
-        if flag != "--ready-file":
+        if flag not in ("--ready-file", "--metrics-listen", "--metrics-key-labels"):
             own += [flag, changed.get(flag, value)]
     return own
 

@@ -100,6 +100,9 @@ class Fleet:
     # and the security tests); None runs them in plaintext without tokens.
     security: Bundle | None = None
     status_url: str = ""  # the control plane's status page, when it serves one
+    # Each proxy's metrics port (--metrics-listen), by name: its /metrics, and
+    # its /healthz with the state the public port's does not give.
+    metrics_addresses: dict[str, str] = field(default_factory=dict)
     _channel: grpc.Channel | None = None
     _channel_to: str = ""
     # The etag of each table version wait_table returned: another replica
@@ -201,21 +204,39 @@ class Fleet:
         wait: bool = True,
         launcher: Sequence[str] = (),
         ready_timeout: float = PROXY_READY_S,
+        metrics_port: bool = True,
     ) -> Managed:
         """Start a proxy; one process unless `workers` > 1 (dataplane/workers.py),
         whatever the machine's cores, so that runs do not depend on the machine.
         Returned once it listens (within `ready_timeout` seconds), or at once
         without `wait` (its address unknown). `launcher` goes before the
-        interpreter (bench/instructions.py runs the proxy under valgrind)."""
+        interpreter (bench/instructions.py runs the proxy under valgrind).
+        Without `metrics_port` (and no --metrics-listen in `extra`) it serves
+        /metrics on its public port, as a single-port proxy does, and
+        proxy_status, metrics_url and wait_proxies_at cannot read it."""
         addresses = control_planes or [m.address for m in self.controls.values()]
         listen = _own_port(listen)
         ready = self._ready(name)
+        extra = list(extra or [])
+        # A metrics port of its own, where proxy_status reads its state (the
+        # public /healthz says only "ok"), unless `extra` gives one. Key
+        # labels stay off, as they were when /metrics was on the public port;
+        # `extra` may turn them on.
+        metrics = _flag_value(extra, "--metrics-listen")
+        own_metrics: list[str] = []
+        if metrics is None and metrics_port:
+            metrics = _own_port("127.0.0.1:0")
+            own_metrics = ["--metrics-listen", metrics, "--metrics-key-labels", "off"]
         argv = [*launcher, *python_entry("dataplane"), "--control-plane", ",".join(addresses),
                 "--listen", listen, "--region", region, "--name", name,
                 "--workers", str(workers),
                 "--state-dir", str(self.workdir / f"{name}-state"),
-                "--ready-file", str(ready),
-                *(self.security.proxy_args() if self.security else []), *(extra or [])]  # fmt: skip
+                "--ready-file", str(ready), *own_metrics,
+                *(self.security.proxy_args() if self.security else []), *extra]  # fmt: skip
+        if metrics is not None:
+            self.metrics_addresses[name] = metrics
+        else:
+            self.metrics_addresses.pop(name, None)
         self.proxies[name] = m = spawn(
             name, argv, self.workdir, ready_file=ready if wait else None, timeout=ready_timeout
         )
@@ -320,7 +341,8 @@ class Fleet:
     # ------------------------------------------------------------ waiting
 
     def proxy_status(self, name: str) -> dict[str, object]:
-        url = f"http://{self.proxies[name].address}/healthz"
+        """The proxy's state, as its metrics port's /healthz gives it."""
+        url = f"http://{self.metrics_addresses[name]}/healthz"
         with urllib.request.urlopen(url, timeout=5) as resp:
             status: dict[str, object] = json.loads(resp.read())
             return status
@@ -367,6 +389,10 @@ class Fleet:
     def proxy_url(self, name: str) -> str:
         return f"http://{self.proxies[name].address}/v1"
 
+    def metrics_url(self, name: str) -> str:
+        """The proxy's /metrics, on its metrics port."""
+        return f"http://{self.metrics_addresses[name]}/metrics"
+
     def origin_url(self, name: str) -> str:
         return f"http://{self.origins[name].address}/v1"
 
@@ -404,6 +430,18 @@ def _own_port(listen: str) -> str:
     if port != "0" or not host or host.startswith("["):
         return listen
     return f"{host}:{free_port(host)}"
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value `argv` gives `flag` (``--flag V`` or ``--flag=V``; the last
+    one, as argparse takes it), None without it."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.removeprefix(flag + "=")
+    return value
 
 
 def write_demo_geoip(path: Path) -> Path:

@@ -95,8 +95,18 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """Liveness: the process answers (`/healthz`, and `/health`, which tools
-    such as guidellm check). Readiness (a table to serve) is /readyz.
+    """Liveness on the public port: the process answers (`/healthz`, and
+    `/health`, which tools such as guidellm check), `{"status": "ok"}` and
+    nothing else. Anyone who reaches the port may ask, so it names none of
+    the proxy's internals (its fleet, its table's version and etag, its
+    control-plane link): those are `health_details`', on the metrics port.
+    Readiness (a table to serve) is /readyz."""
+    return web.json_response({"status": "ok"})
+
+
+async def health_details(request: web.Request) -> web.Response:
+    """Liveness and state, for operators: /healthz and /health on the metrics
+    port (--metrics-listen), which only they should reach.
 
     The rate-limit shares held are named by their generation and where they
     came from (`quota_source`: none, disk or control-plane), as the table is.

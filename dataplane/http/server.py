@@ -459,7 +459,8 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
 
 def build_metrics_app(app: web.Application) -> web.Application:
     """GET /metrics of the proxy `app`, alone, for `--metrics-listen`, and its
-    liveness (/healthz, /health: the public port's answer).
+    liveness with its state (/healthz, /health: the public port's status,
+    with the details the public port does not give).
 
     The same registry and error boundary; served by its own runner, so the
     public port does not answer /metrics at all. Its listener has no client
@@ -478,8 +479,8 @@ def build_metrics_app(app: web.Application) -> web.Application:
     metrics_app[CLIENT] = app[CLIENT]
     metrics_app[QUOTA] = app[QUOTA]
     metrics_app.router.add_get("/metrics", endpoints.metrics, name="metrics")
-    metrics_app.router.add_get("/healthz", endpoints.healthz, name="healthz")
-    metrics_app.router.add_get("/health", endpoints.healthz, name="health")
+    metrics_app.router.add_get("/healthz", endpoints.health_details, name="healthz")
+    metrics_app.router.add_get("/health", endpoints.health_details, name="health")
     return metrics_app
 
 

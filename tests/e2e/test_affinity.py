@@ -334,7 +334,7 @@ def test_proxies_hold_live_load_figures_pushed_by_the_control_plane(fleet: Fleet
     deadline = time.monotonic() + 10
     for proxy in PROXIES:
         while True:
-            text = CLIENT.get(f"http://{fleet.proxies[proxy].address}/metrics").text
+            text = CLIENT.get(fleet.metrics_url(proxy)).text
             line = next(x for x in text.splitlines() if x.startswith("ponto_origin_loads_age"))
             age = float(line.split()[-1])
             if 0 <= age < 5:  # pushed twice a second; at most every 2 s when idle

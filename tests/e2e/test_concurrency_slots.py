@@ -70,7 +70,7 @@ def settled(keys: dict[str, tuple[str, float]], tenant: str) -> str:
 
 
 def metrics(fleet: Fleet, proxy: str) -> str:
-    return httpx.get(f"http://{fleet.proxies[proxy].address}/metrics", timeout=5).text
+    return httpx.get(fleet.metrics_url(proxy), timeout=5).text
 
 
 def ask(url: str, key: str) -> int:

@@ -199,7 +199,7 @@ def test_a_tenant_whose_jwt_config_proxies_cannot_load_costs_only_its_jwts(
     refused = chat(token)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "auth_unavailable"
-    metrics = httpx.get(f"http://{whole.proxies['p1'].address}/metrics", timeout=5).text
+    metrics = httpx.get(whole.metrics_url("p1"), timeout=5).text
     assert 'ponto_jwt_config_unavailable{tenant="broken"} 1.0' in metrics
     assert "ponto_route_table_nacks_total 0.0" in metrics
     # An operator's write hears of it.

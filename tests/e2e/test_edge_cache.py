@@ -272,7 +272,7 @@ def test_purge_and_cache_metrics(fleet: Fleet) -> None:
         fleet.wait_table(lambda t: any(p.revision == purge.revision for p in t.purges))
     )
     assert post(fleet, q).headers["x-ponto-cache"] == "miss"
-    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    metrics = httpx.get(fleet.metrics_url("p1"), timeout=5).text
     for line in (
         'ponto_cache_requests_total{kind="exact",result="hit"}',
         'ponto_cache_requests_total{kind="exact",result="miss"}',
@@ -311,7 +311,7 @@ def test_a_tenant_made_again_under_a_deleted_ones_name_starts_with_no_answers(
 
 def _semantic_ready(fleet: Fleet) -> None:
     """The embedding model loads in the background once a tenant turns semantic on."""
-    metrics = f"http://{fleet.proxies['p1'].address}/metrics"
+    metrics = fleet.metrics_url("p1")
     deadline = time.monotonic() + 60
     n = 0
     while time.monotonic() < deadline:
@@ -324,7 +324,7 @@ def _semantic_ready(fleet: Fleet) -> None:
 
 
 def _semantic_entries(fleet: Fleet) -> float:
-    text = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    text = httpx.get(fleet.metrics_url("p1"), timeout=5).text
     for line in text.splitlines():
         if line.startswith("ponto_semantic_entries "):
             return float(line.split()[1])

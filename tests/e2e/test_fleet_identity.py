@@ -86,7 +86,7 @@ def test_a_closed_fleet_whose_etcd_came_back_empty_serves_on_until_adopted(
     fleet.start_etcd()
     until(lambda: refused(fleet, "another_fleet") > 0, "the empty fleet's table refused")
     assert (chat(fleet, old_key), chat(fleet, None)) == (200, 401)
-    metrics = httpx.get(f"http://{fleet.proxies['p-us'].address}/metrics", timeout=5).text
+    metrics = httpx.get(fleet.metrics_url("p-us"), timeout=5).text
     assert f'ponto_fleet_info{{fleet_id="{served}"}} 1.0' in metrics
 
     # The runbook: the configuration, then adopt: the table is open, refused.

@@ -89,7 +89,7 @@ def gauge(fleet: Fleet, origin: str, name: str) -> float:
 
 
 def proxy_counter(fleet: Fleet, name: str) -> float:
-    text = httpx.get(f"http://{fleet.proxies['p'].address}/metrics", timeout=5).text
+    text = httpx.get(fleet.metrics_url("p"), timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

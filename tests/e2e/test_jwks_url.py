@@ -138,7 +138,7 @@ def test_a_tenant_applied_with_a_jwks_url_is_served_with_the_published_key(
 
     log = fleet.members()["p1"].log_path.read_text()
     assert f"JWKS URL {provider.url}: 1 key (a)" in log
-    metrics = httpx.get(f"http://{fleet.proxies['p1'].address}/metrics", timeout=5).text
+    metrics = httpx.get(fleet.metrics_url("p1"), timeout=5).text
     assert f'ponto_jwks_keys{{url="{provider.url}"}} 1.0' in metrics
     assert f'ponto_jwks_fetch_errors_total{{url="{provider.url}"}} 0.0' in metrics
 

@@ -125,7 +125,7 @@ SETS_OK = 'ponto_cache_region_requests_total{op="set",result="ok"}'
 
 
 def metric(fleet: Fleet, proxy: str, name: str) -> float:
-    text = httpx.get(fleet.proxy_url(proxy).removesuffix("/v1") + "/metrics", timeout=5).text
+    text = httpx.get(fleet.metrics_url(proxy), timeout=5).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

@@ -47,7 +47,7 @@ def test_killing_the_control_plane_changes_nothing_for_clients(fleet: Fleet) -> 
     assert set(load.codes) == {200}, [c for c in load.codes if c != 200][:5]
     status = fleet.proxy_status("p-us")
     assert status["control_plane_connected"] is False
-    metrics = httpx.get(f"http://{fleet.proxies['p-us'].address}/metrics").text
+    metrics = httpx.get(fleet.metrics_url("p-us")).text
     assert "ponto_control_plane_connected 0.0" in metrics
 
 

@@ -110,12 +110,10 @@ def registered(fleet: Fleet) -> set[str]:
     return {p.info.name for p in fleet.admin().ListProxies(apb.ListRequest(), timeout=5).proxies}
 
 
-def scrape(
-    group: Managed, address: str = ""
-) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
+def scrape(address: str) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:
     """The answering worker and the samples of one scrape over a fresh connection
-    (on `address`, the group's --metrics-listen, if given)."""
-    r = httpx.get(f"http://{address or group.address}/metrics", timeout=10)
+    to `address`, the group's metrics port (--metrics-listen)."""
+    r = httpx.get(f"http://{address}/metrics", timeout=10)
     assert r.status_code == 200
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(r.text):
@@ -158,7 +156,7 @@ def test_requests_are_served_by_both_workers(fleet: Fleet) -> None:
         # to either worker.
         r = httpx.post(f"http://{group.address}/v1/chat/completions", json=CHAT, timeout=10)
         assert r.status_code == 200, r.text
-        by_worker = served_by(scrape(group)[1])
+        by_worker = served_by(scrape(fleet.metrics_addresses[group.name])[1])
         if len(by_worker) == 2:
             break
     assert set(by_worker) == {"0", "1"}, by_worker
@@ -168,7 +166,7 @@ def test_metrics_from_any_worker_show_both_workers(fleet: Fleet) -> None:
     group = fleet.proxies["p"]
     answered: set[str] = set()
     for _ in range(60):
-        worker, samples = scrape(group)
+        worker, samples = scrape(fleet.metrics_addresses[group.name])
         answered.add(worker)
         versions = samples["ponto_route_table_version"]
         assert {dict(labels)["worker"] for labels in versions} == {"0", "1"}
@@ -195,7 +193,7 @@ def test_metrics_on_their_own_port_show_both_workers_and_no_key_ids(fleet: Fleet
         assert reply.status_code == 200
     answered: set[str] = set()
     for _ in range(60):
-        worker, samples = scrape(group, metrics_address)
+        worker, samples = scrape(metrics_address)
         answered.add(worker)
         assert set(samples["ponto_worker_up"].values()) == {1.0}
         versions = samples["ponto_route_table_version"]
@@ -217,7 +215,7 @@ def test_a_killed_worker_is_restarted(fleet: Fleet) -> None:
     assert after[0] == before[0], "the other worker was left alone"
 
     def back() -> bool:
-        _, samples = scrape(group)
+        _, samples = scrape(fleet.metrics_addresses[group.name])
         return samples["ponto_worker_up"].get((("worker", "1"),)) == 1.0
 
     until("worker 1 serving its metrics again", back)
@@ -403,7 +401,9 @@ def test_sighup_restarts_the_workers_and_refuses_no_request(fleet: Fleet) -> Non
     def scrapes() -> None:
         while not done.is_set():
             with contextlib.suppress(httpx.HTTPError, AssertionError):
-                requests = scrape(group)[1].get("ponto_requests_total", {})
+                requests = scrape(fleet.metrics_addresses[group.name])[1].get(
+                    "ponto_requests_total", {}
+                )
                 pids_seen.update(dict(labels).get("pid", "") for labels in requests)
             time.sleep(0.1)
 

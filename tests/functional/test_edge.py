@@ -28,7 +28,7 @@ from aiohttp.test_utils import TestServer
 from dataplane.http.dispatch import FixedRoutes
 from dataplane.http.edge import MAX_HEAD, EdgeRunner, parser_error
 from dataplane.http.pipeline import ENDPOINTS
-from dataplane.http.state import ACCESS_LOG, METRICS
+from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS
 from dataplane.run import serve_metrics
 from dataplane.settings import parse as parse_proxy
 from ponto.originsim.app import SIM_STATE, SimConfig
@@ -1042,6 +1042,20 @@ async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
                     assert answer.status == 200, path
                     doc = await answer.json()
                     assert doc["status"] == "ok" and doc["route_table_version"] == 1
+                    # The details the public port does not give: the table by
+                    # number and by content (replicas number one content apart).
+                    routes = edge.runner.app[HOLDER].routes
+                    assert routes is not None
+                    assert doc["route_table_etag"] == routes.etag
+                    assert len(doc["route_table_etag"]) == 64
+                    assert doc.keys() >= {
+                        "route_table_source",
+                        "fleet_id",
+                        "route_tables_refused",
+                        "control_plane_connected",
+                        "quota_generation",
+                        "quota_source",
+                    }
     finally:
         await runner.cleanup()
         for _, w in busy:

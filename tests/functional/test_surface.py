@@ -283,22 +283,14 @@ async def test_a_long_or_unprintable_client_id_is_replaced_and_never_echoed(
 # ---------------------------------------------------------------- /health, models
 
 
-async def test_health_is_liveness_in_json(stack: Stack) -> None:
-    health = await stack.client.get("/health")
-    healthz = await stack.client.get("/healthz")
-    assert health.status == healthz.status == 200
-    assert health.content_type == "application/json"
-    body = await health.json()
-    assert body["status"] == "ok"
-    assert body.keys() == (await healthz.json()).keys()
-    # The table by number and by content: replicas number one content apart.
-    routes = stack.app[HOLDER].routes
-    assert routes is not None
-    assert (body["route_table_version"], body["route_table_etag"]) == (
-        routes.version,
-        routes.etag,
-    )
-    assert len(body["route_table_etag"]) == 64
+async def test_health_on_the_public_port_is_liveness_alone(stack: Stack) -> None:
+    # Trial 99: it named the fleet id, the table's version and etag and the
+    # control-plane link to anyone; those are the metrics port's.
+    for path in ("/health", "/healthz"):
+        answer = await stack.client.get(path)
+        assert answer.status == 200, path
+        assert answer.content_type == "application/json"
+        assert await answer.json() == {"status": "ok"}, path
 
 
 async def with_alias(s: Stack, alias: str) -> None:
