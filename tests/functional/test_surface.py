@@ -1294,3 +1294,37 @@ async def test_a_cut_responses_stream_is_not_continued(
         assert "not continued: responses streams are never continued" in cuts[0]
     finally:
         await s.close()
+
+
+# ---------------------------------------------------------------- revocation
+
+
+async def test_a_stream_under_way_when_its_key_is_revoked_ends_at_its_own_end(
+    tmp_path: Path,
+) -> None:
+    # docs/security.md, "Revocation and rotation": a credential is checked
+    # once, when its request comes; the next request is refused at once.
+    s = await start_stack(tmp_path, [SimConfig(name="o1", answer_tokens=6, tokens_per_s=5)])
+    try:
+        resp = await s.post(chat("revoked meanwhile", stream=True))
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"data: ")
+        routes = s.app[HOLDER].routes
+        assert routes is not None
+        served = [(o.app[SIM_STATE].config.name, str(o.make_url("/v1"))) for o in s.origins]
+        revoked = table(served, version=routes.version + 1)
+        kept = [k for k in revoked.keys if k.id != KEY.key_id]
+        del revoked.keys[:]
+        revoked.keys.extend(kept)
+        revoked.etag = content_etag(revoked)
+        s.app[HOLDER].apply(revoked, "control-plane")
+        # Revoked while the origin still generates (a token each 0.2 s).
+        assert s.origins[0].app[SIM_STATE].running == 1
+        rest = [e.removeprefix("data: ") for e in (await resp.text()).split("\n\n")]
+        assert rest[-2:] == ["[DONE]", ""]
+        assert not any('"error"' in e for e in rest)
+        refused = await s.post(chat("after the revocation", stream=True))
+        assert refused.status == 401
+        assert error_of(await refused.json())["code"] == "invalid_api_key"
+    finally:
+        await s.close()
