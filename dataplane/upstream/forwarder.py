@@ -128,9 +128,11 @@ DROP_RESPONSE_PREFIXES = ("x-ratelimit", "ratelimit", "anthropic-ratelimit", "ac
 # unsampled without a span carries a new unsampled traceparent and no
 # tracestate (RequestTracer.unsampled_root).
 FORWARD_REQUEST_HEADERS = ("accept", "user-agent", "traceparent", "tracestate")
-# Never forwarded, even when configured in `forward_headers`: hop-by-hop
-# headers (RFC 9110 7.6.1) describe the client's connection, not the
-# origin's; the others the proxy sets itself.
+# Never forwarded, even when configured in `forward_headers` (naming one
+# stops the proxy at start, dataplane.settings): hop-by-hop headers (RFC 9110
+# 7.6.1) describe the client's connection, not the origin's; the others the
+# proxy sets itself (the body goes decoded, so the client's Content-Encoding
+# would misname it; the origin's credential, never the client's).
 NEVER_FORWARDED = frozenset(
     {
         "connection",

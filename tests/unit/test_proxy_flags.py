@@ -306,6 +306,9 @@ def test_every_flag_with_a_default_states_it_in_the_help(
         ("content-type,x-hint,content-type", "content-type"),
         ("content-length", "content-length"),
         ("host", "host"),
+        ("Proxy-Connection", "proxy-connection"),
+        ("content-encoding", "content-encoding"),
+        ("x-hint,X-Request-Id", "x-request-id"),
     ],
 )
 def test_a_forwarded_header_the_proxy_never_forwards_is_refused_at_start(
