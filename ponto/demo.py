@@ -221,7 +221,16 @@ def banner(fleet: Fleet, *, logs_removed: bool, own_port: int = 0) -> str:
     control_name, control = next(iter(fleet.controls.items()))
     assert fleet.etcd is not None
     rows = [
-        *[(f"proxy  {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.proxies.items()],
+        *[
+            row
+            for n, m in fleet.proxies.items()
+            for row in [
+                (f"proxy  {n}", f"http://{m.address}/v1", m.pid),
+                # Its metrics port: the public port's /healthz says only "ok"
+                # and it has no /metrics.
+                ("  its /healthz and /metrics", f"http://{fleet.metrics_addresses[n]}", m.pid),
+            ]
+        ],
         *[(f"origin {n}", f"http://{m.address}/v1", m.pid) for n, m in fleet.origins.items()],
         (f"control plane {control_name}", f"{control.address} (gRPC)", control.pid),
         ("  status page and /metrics", fleet.status_url + "/", control.pid),

@@ -221,6 +221,12 @@ def test_a_killed_origin_fails_over_comes_back_on_its_address_and_the_demo_stays
     assert members["proxy-us-east"][0] == f"127.0.0.1:{base}"
     assert members["proxy-eu-west"][0] == f"127.0.0.1:{base + 1}"
     assert members["control-1"][0] == f"127.0.0.1:{base + 3}"
+    # Each proxy's state and /metrics are on its metrics port, which the
+    # banner names under it (the public port's /healthz says only "ok").
+    row = demo.seen.index(next(line for line in demo.seen if "proxy  proxy-us-east " in line))
+    metrics = re.findall(r"its /healthz and /metrics\s+(\S+)\s+pid ", demo.seen[row + 1])[0]
+    assert httpx.get(f"{metrics}/healthz", timeout=10).json()["route_table_version"] > 0
+    assert "ponto_route_table_version" in httpx.get(f"{metrics}/metrics", timeout=10).text
     # The lines printed for users in three places, run as a user pastes them.
     lines = geo_lines(demo)
     assert list(lines) == ["Tokyo", "Frankfurt", "Virginia"], demo.seen
