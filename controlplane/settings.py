@@ -14,7 +14,7 @@ from controlplane.compaction import DEFAULT_INTERVAL_S as DEFAULT_COMPACTION_S
 from controlplane.health import ProbeSettings
 from controlplane.store.etcd import CALL_TIMEOUT_S, EtcdTls, split_endpoint
 from ponto import tlsfiles
-from ponto.cliargs import finite_float, hostport, listen_address, path
+from ponto.cliargs import OneLineParser, finite_float, hostport, listen_address, path
 from ponto.grpcconn import CredentialError, ServerSecurity, read_bytes, read_secrets
 from ponto.originca import origin_ca_flag
 from ponto.version import add_version_flag
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     """ponto-control's command line. Each flag with a default says it in
     --help, as ponto-proxy's do (`%(default)s`); one whose default is "" or
     unset says what that means instead, where it is not plain."""
-    p = argparse.ArgumentParser(prog="ponto-control", description="Ponto control plane")
+    p = OneLineParser(prog="ponto-control", description="Ponto control plane")
     add_version_flag(p)
     p.add_argument(
         "--etcd",

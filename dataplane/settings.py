@@ -23,7 +23,7 @@ from dataplane.streaming.splice import DEFAULT_TRANSCRIPTS_BYTES
 from dataplane.upstream.forwarder import NEVER_FORWARDED, UpstreamSettings
 from dataplane.upstream.stalls import DEFAULT_UNHEALTHY_IDLE_S
 from dataplane.upstream.wire import DEFAULT_MAX_ANSWER_BYTES, LIMIT_PER_HOST, QUEUE_TIMEOUT
-from ponto.cliargs import finite_float, listen_address, path
+from ponto.cliargs import OneLineParser, finite_float, listen_address, path
 from ponto.grpcconn import ClientOptions, CredentialError, port_missing, read_secret
 from ponto.originca import origin_ca_flag
 from ponto.proxynames import default_name, worker_name
@@ -210,7 +210,7 @@ def as_worker(settings: Settings, slot: WorkerSlot) -> Settings:
 
 
 def parse(argv: list[str]) -> Settings:
-    p = argparse.ArgumentParser(prog="ponto-proxy", description="Ponto edge proxy (data plane)")
+    p = OneLineParser(prog="ponto-proxy", description="Ponto edge proxy (data plane)")
     add_version_flag(p)
     p.add_argument(
         "--control-plane",

@@ -7,8 +7,26 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["cannot_listen", "finite_float", "hostport", "listen_address", "path"]
+__all__ = [
+    "OneLineParser",
+    "cannot_listen",
+    "finite_float",
+    "hostport",
+    "listen_address",
+    "path",
+]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its refusals in the one line a server's start says them
+    in: `PROG: error: MESSAGE`, without the usage block argparse prints first
+    (ponto-proxy's is 34 lines, which a container's log shows above the reason
+    and a log search splits from it). --help still prints the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def finite_float(text: str) -> float:

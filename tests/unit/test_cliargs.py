@@ -156,3 +156,32 @@ def test_every_listen_flag_is_read_by_the_one_parser() -> None:
         "--http-listen": listen_address,
     }
     assert _listen_flags(origin_parser()) == {"--listen": listen_address}
+
+
+@pytest.mark.parametrize(
+    ("parse", "argv", "says"),
+    [
+        (proxy_settings.parse, ["--region", "r", "--bogus"], "unrecognized arguments: --bogus"),
+        (proxy_settings.parse, ["--region", "r", "--forward-headers", "connection"], "connection"),
+        (
+            proxy_settings.parse,
+            ["--region", "r", "--listen", "x"],
+            "--listen: expected HOST:PORT",
+        ),
+        (control_settings.parse, ["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_server_refused_at_start_says_why_in_one_line(
+    parse: Callable[[list[str]], object],
+    argv: list[str],
+    says: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bad flag stops ponto-proxy and ponto-control with one line, not
+    argparse's usage block (34 lines for the proxy) above the reason."""
+    with pytest.raises(SystemExit) as stop:
+        parse(argv)
+    assert stop.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(("ponto-proxy: error: ", "ponto-control: error: ")), line
+    assert says in line, line
