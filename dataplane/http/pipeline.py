@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from aiohttp import hdrs, web
@@ -785,7 +786,10 @@ class Pipeline:
             ex.keyable,
         )
         if ex.trace is None:
-            plan = ex.cache = await self.cache.plan(creq)
+            planned = self.cache.plan_now(creq)
+            if not isinstance(planned, CachePlan):
+                planned = await planned
+            plan = ex.cache = planned
         else:
             with ex.trace.cache_step(ex):
                 plan = ex.cache = await self.cache.plan(creq)
@@ -841,7 +845,12 @@ class Pipeline:
             try:
                 if origin.streamed and origin.status < 400:
                     return await self.relay(request, ex, origin, plan)
-                return await self.respond(request, ex, origin, plan)
+                responded = self.respond(request, ex, origin, plan)
+                # Told by the coroutine's own type: isinstance of a response
+                # (an ABC's subclass) is a Python frame (see sent_now).
+                if type(responded) is CoroutineType:
+                    responded = await cast(Coroutine[Any, Any, web.StreamResponse], responded)
+                return cast(web.StreamResponse, responded)
             finally:
                 origin.release()
         except BaseException as exc:
@@ -1029,14 +1038,19 @@ class Pipeline:
                 ex.route = "failover"
         return candidates
 
-    async def respond(
+    def respond(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | Coroutine[Any, Any, web.StreamResponse]:
         """A non-streamed answer: sent as is (an error one allowlisted, see
         reply.origin_body), at once; then its JSON (parsed once: by the
         forwarder, or here after sending) gives the token count and the
         cache's entry. An error sent as a stream is answered from its first
-        chunk."""
+        chunk.
+
+        The response when nothing waited (most answers: written at once,
+        nothing to store), else a coroutine that finishes it, which the
+        caller awaits: a coroutine that never waits costs some 1,000
+        instructions more (every whole answer)."""
         body = origin.body if origin.body is not None else origin.first
         assert ex.cache_request is not None
         # A 2xx whole body comes parsed, unless large (the forwarder refuses
@@ -1082,13 +1096,67 @@ class Pipeline:
                 answer = reply.origin_stream(ex, origin, plan.outcome, frames)
         if answer is None:
             answer = reply.origin_body(ex, origin, plan.outcome, body)
-        response: web.StreamResponse | None
-        if ex.held is not None:  # its head went out while the origin thought
+        if ex.held is None and (now := sent_now(request, ex, self.draining, answer)) is not None:
+            entry = self._answered(ex, origin, plan, body, obj, parsed, entry)
+            if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
+                self.cache.finish_flight(plan, None)
+                return now
+            return self._settled(ex.cache_request, plan, entry, now)
+        return self._respond_later(request, ex, origin, plan, answer, body, obj, parsed, entry)
+
+    async def _respond_later(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        origin: OriginAnswer,
+        plan: CachePlan,
+        answer: web.Response,
+        body: bytes,
+        obj: Any,
+        parsed: bool,
+        entry: CachedResponse | None,
+    ) -> web.StreamResponse:
+        """`respond`'s end for an answer that waits to be sent: into a
+        stream's head that went out while the origin thought, or as the
+        edge's writer allows."""
+        assert ex.cache_request is not None
+        response: web.StreamResponse | None = None
+        if ex.held is not None:
             response = await reply.into_held(ex, ex.held, answer)
-        else:
-            response = sent_now(request, ex, self.draining, answer)
         if response is None:
             response = await sent(request, ex, answer)
+        entry = self._answered(ex, origin, plan, body, obj, parsed, entry)
+        if entry is None:
+            self.cache.finish_flight(plan, None)
+        else:
+            await self.cache.settle_body(ex.cache_request, plan, entry)
+        return response
+
+    async def _settled(
+        self,
+        creq: CacheRequest,
+        plan: CachePlan,
+        entry: CachedResponse,
+        response: web.StreamResponse,
+    ) -> web.StreamResponse:
+        """`respond`'s end for a sent answer whose entry is kept."""
+        await self.cache.settle_body(creq, plan, entry)
+        return response
+
+    def _answered(
+        self,
+        ex: Exchange,
+        origin: OriginAnswer,
+        plan: CachePlan,
+        body: bytes,
+        obj: Any,
+        parsed: bool,
+        entry: CachedResponse | None,
+    ) -> CachedResponse | None:
+        """Once a whole answer is sent: its usage (`ex.usage`), and the
+        cache's entry of it (`entry`, made before sending when its JSON was
+        parsed then; else made now)."""
+        assert ex.cache_request is not None
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
             if not parsed:
                 obj = jsonio.loads_or_none(body)
@@ -1112,11 +1180,7 @@ class Pipeline:
                     # fails a smaller one over): relayed, but never kept.
                     obj = None
             entry = self.cache.whole_entry(ex.cache_request, plan, origin.status, body, obj)
-        if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
-            self.cache.finish_flight(plan, None)
-        else:
-            await self.cache.settle_body(ex.cache_request, plan, entry)
-        return response
+        return entry
 
     async def lead(
         self, request: web.Request, ex: Exchange, origin: OriginAnswer, plan: CachePlan
