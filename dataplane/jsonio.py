@@ -21,7 +21,11 @@ NOT_PARSED: Final[Any] = object()
 # orjson's functions themselves, not wrappers of them: a wrapper is one more
 # Python call (some 400 instructions) on every request's parse.
 loads: Final[Callable[[bytes | str], Any]] = orjson.loads
-dumps: Final[Callable[[Any], bytes]] = orjson.dumps
+dumps: Final = orjson.dumps
+# dumps' option for objects written with their keys in sorted order, at
+# every depth (code point order: orjson compares the UTF-8 bytes, which
+# sort alike).
+SORT_KEYS: Final = orjson.OPT_SORT_KEYS
 
 
 def loads_or_none(data: bytes | str) -> Any:
