@@ -328,6 +328,9 @@ def test_a_verbatim_chunk_is_its_events_framed(chunks: list[bytes]) -> None:
     st.sampled_from([0, 7, 8, 64]),
 )
 @example([b"data: x\ny", b"\n\n"], 0)  # one LF where the blank line's first goes
+@example([b"data: x\r\n\n"], 0)  # a CRLF then an LF: its data is x, no CR
+@example([b"data: x\ry\n\n"], 0)  # a lone CR ends a line
+@example([b"id: 1\n", b"data: x\n\n"], 10)  # a line counted (14 bytes) before it
 def test_one_gives_what_feed_gives(chunks: list[bytes], limit: int) -> None:
     """Differential: `one` (the relay's test for a read of one event) gives
     the data of a chunk of one plain event, the parser then left as feeding
