@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataplane.cache.entry import StreamRecorder
-from dataplane.streaming.relay import EventSink, relay
+from dataplane.streaming.relay import EventSink, Next, Resume, relay
 from dataplane.streaming.splice import Transcript, TranscriptBudget
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter
@@ -138,8 +138,38 @@ def ending(last: Event | None, too_long: int) -> bytes:
     return b"data: cut after " + (last.data if last is not None else b"-") + b"%d\n\n" % too_long
 
 
+class Chunks:
+    """A ChunkSink (a leader's followers' copy of what the client is sent)."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def chunk(self, data: bytes) -> None:
+        self.got.append(data)
+
+
+def continued_by(reads: list[bytes]) -> Resume:
+    """A resume that goes on once, on another origin's stream of `reads`
+    (reads of one event each, say), each event rewritten as a continuation's
+    is (here its id `c1` made `c2`)."""
+    left = [reads]
+
+    async def resume(cut: str, too_long: int) -> Next | None:
+        if not left:
+            return None
+        rest = left.pop()
+        return Next(rest[0], Content(*rest[1:]), lambda data: data.replace(b'"c1"', b'"c2"'), "o2")
+
+    return resume
+
+
 async def relayed(
-    reads: list[bytes], plain: bool, max_bytes: int, limit: int, trimmed: bool = True
+    reads: list[bytes],
+    plain: bool,
+    max_bytes: int,
+    limit: int,
+    trimmed: bool = True,
+    following: list[bytes] | None = None,
 ) -> dict[str, Any]:
     counter = UsageCounter(finishes=[], finished=set())
     recorder = StreamRecorder(store_truncated=True, max_bytes=max_bytes)
@@ -149,18 +179,21 @@ async def relayed(
     if not plain:
         readers = [EventsOnly(reader) for reader in readers]
     out = Out()
+    chunks = Chunks()
     end = await relay(
         reads[0],
         Content(*reads[1:]),
         cast(web.StreamResponse, out),
         readers=cast(list[EventSink], readers),
+        chunks=chunks,
         error_event=ending,
-        resume=no_resume,
+        resume=no_resume if following is None else continued_by(following),
         trim=counter.unasked if trimmed else None,
     )
     entry = recorder.finish(now=0.0, open_event=end.open_event)
     return {
         "written": out.written,
+        "chunks": chunks.got,
         "ended": out.ended,
         "end": end,
         "counted": (
@@ -203,22 +236,30 @@ async def test_plain_reads_give_what_event_by_event_gives(
     limit=st.sampled_from([1 << 20, 300]),
     trimmed=st.booleans(),
     finished=st.booleans(),
+    following=st.none() | stream_blocks(),
 )
 async def test_reads_of_one_event_each_give_what_event_by_event_gives(
-    reads: list[bytes], max_bytes: int, limit: int, trimmed: bool, finished: bool
+    reads: list[bytes],
+    max_bytes: int,
+    limit: int,
+    trimmed: bool,
+    finished: bool,
+    following: list[bytes] | None,
 ) -> None:
     """An origin that writes each event as it generates it (vLLM, SGLang):
     every read one block, which the relay takes by its one-event path
     (SseParser.one) when it is a plain event. `finished`: the answer ends
     as a whole one does (a finish, then [DONE]), so that the recorder may
-    keep an entry, whose chunks are compared."""
+    keep an entry, whose chunks are compared. `following`: a stream cut
+    goes on on another origin's, read one block a read too, whose events
+    are rewritten (a continuation's: never the one-event path's)."""
     if finished:
         reads = [
             *reads,
             b"data: " + chunk_of(choices=[choice({}, "stop")]) + b"\n\ndata: [DONE]\n\n",
         ]
-    assert await relayed(reads, True, max_bytes, limit, trimmed) == await relayed(
-        reads, False, max_bytes, limit, trimmed
+    assert await relayed(reads, True, max_bytes, limit, trimmed, following) == await relayed(
+        reads, False, max_bytes, limit, trimmed, following
     )
 
 
@@ -303,15 +344,24 @@ class Watchful:
         pass
 
 
+CONTENT = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        [CONTENT * 2, CONTENT * 3, b"data: [DONE]\n\n"],
+        # One event a read: the relay's one-event path (SseParser.one).
+        [CONTENT] * 5 + [b"data: [DONE]\n\n"],
+    ],
+)
 async def test_a_read_of_plain_events_alone_is_progress_for_the_idle_bound(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, reads: list[bytes]
 ) -> None:
     # Events are progress however the relay takes them: a read whose
     # events all go to the readers as their data keeps the stream's idle
     # bound from passing as a read of comments alone would.
     monkeypatch.setattr("dataplane.streaming.relay.IdleTimeout", Watchful)
-    content = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
-    reads = [content * 2, content * 3, b"data: [DONE]\n\n"]
     taking = Taking()
     out = Out()
     end = await relay(
