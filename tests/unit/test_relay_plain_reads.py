@@ -11,10 +11,10 @@ from typing import Any, cast
 
 import pytest
 from aiohttp import web
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dataplane.cache.entry import StreamRecorder
+from dataplane.cache.entry import CHUNK_OVERHEAD, ENTRY_OVERHEAD, StreamRecorder
 from dataplane.streaming.relay import EventSink, Next, Resume, relay
 from dataplane.streaming.splice import Transcript, TranscriptBudget
 from dataplane.streaming.sse import Event
@@ -375,3 +375,89 @@ async def test_a_read_of_plain_events_alone_is_progress_for_the_idle_bound(
     assert [how for how, _ in taking.got] == ["datas"] * 5 + ["event"]
     assert end.cut == "" and end.complete
     assert b"".join(out.written) == b"".join(reads)
+
+
+def _raw(text: bytes, finish: str | None = None) -> bytes:
+    """A content chunk whose text is `text` as it is, not JSON-escaped
+    (UTF-8 as OpenAI sends it, or bytes that are not UTF-8)."""
+    return chunk_of(choices=[choice({"content": "@@"}, finish)]).replace(b"@@", text)
+
+
+ANOTHER_CHOICE = _raw(b" pong").replace(b'"index":0', b'"index":1')
+
+# Data a DataSink may be given (none [DONE], no usage but a null one),
+# each a way its `data` may part from `event`: a chunk like the last kept
+# but for its text, or for what follows it (a finish), or its text's bytes.
+DATAS = st.sampled_from(
+    [
+        _raw(b" pong"),
+        _raw(b"a"),
+        _raw(b""),
+        _raw("é".encode()),
+        _raw(b"\xff"),
+        _raw(b'\\"usage\\"'),
+        _raw(b"no error"),
+        _raw(b" end", "stop"),
+        _raw(b" cut", "length"),
+        # Like the last kept but for a byte before its text (another
+        # choice's), or after it (a finish no stream sends: not natural).
+        ANOTHER_CHOICE,
+        _raw(b" pong").replace(b'"finish_reason":null', b'"finish_reason":"ok"'),
+        chunk_of(choices=[choice({}, "stop")]),
+        chunk_of(choices=[choice({"role": "assistant", "content": ""})]),
+        chunk_of(choices=[choice({"content": " ping"})], usage=None),
+        chunk_of(choices=[choice({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]})]),
+        b'{"error":{"message":"overloaded"}}',
+        b"{not json",
+        b"",
+    ]
+)
+
+
+@settings(max_examples=300)
+@given(
+    datas=st.lists(DATAS, min_size=1, max_size=8),
+    k=st.integers(0, 8),
+    near=st.sampled_from([-1, 0, 1]),
+)
+# A second choice, unfinished, then the first's finish: no entry.
+@example(datas=[_raw(b" pong"), ANOTHER_CHOICE, _raw(b" end", "stop")], k=3, near=1)
+def test_data_is_event_of_an_unnamed_event(datas: list[bytes], k: int, near: int) -> None:
+    """Each DataSink's `data` (the events relay's for a read of one plain
+    event) against `event` of an unnamed event of it: the counter's counts,
+    the recorder's entry and the transcript's events, the last two under a
+    bound that the run's k-th data reaches exactly, or passes by a byte, or
+    misses by one."""
+    k = min(k, len(datas))
+    kept = ENTRY_OVERHEAD + sum(len(data) + CHUNK_OVERHEAD for data in datas[:k]) + near
+    held = sum(map(len, datas[:k])) + near
+
+    def sunk(one: bool) -> tuple[Any, ...]:
+        counter = UsageCounter(finishes=[], finished=set())
+        recorder = StreamRecorder(store_truncated=True, max_bytes=kept)
+        budget = TranscriptBudget(held)
+        transcript = Transcript(budget)
+        for data in datas:
+            for reader in (counter, recorder, transcript):
+                if one:
+                    reader.data(data)
+                else:
+                    reader.event(Event(data))
+        recorder.event(Event(b"[DONE]"))
+        entry = recorder.finish(now=0.0)
+        return (
+            counter.content_events,
+            counter.event_bytes,
+            counter.error_event,
+            counter.finishes,
+            counter.finished,
+            counter.unasked(datas[-1]),
+            None if entry is None else (entry.chunks, entry.size, entry.usage_only),
+            recorder.reason,
+            recorder.too_large,
+            transcript.events,
+            transcript.overflow,
+            budget.held,
+        )
+
+    assert sunk(True) == sunk(False)
