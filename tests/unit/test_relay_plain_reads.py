@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dataplane.cache.entry import CHUNK_OVERHEAD, ENTRY_OVERHEAD, StreamRecorder
-from dataplane.streaming.relay import EventSink, Next, Resume, relay
+from dataplane.streaming.relay import EventSink, Next, Resume, Trim, relay
 from dataplane.streaming.splice import Transcript, TranscriptBudget
 from dataplane.streaming.sse import Event
 from dataplane.streaming.usage import UsageCounter
@@ -39,6 +39,10 @@ def chunk_of(**members: Any) -> bytes:
 
 def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+# A read of one content delta.
+CONTENT = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
 
 
 TEXTS = st.sampled_from(
@@ -170,7 +174,10 @@ async def relayed(
     limit: int,
     trimmed: bool = True,
     following: list[bytes] | None = None,
+    trim: Trim | None = None,
 ) -> dict[str, Any]:
+    """What relaying `reads` leaves; `trim`, when given, in place of the
+    counter's (`trimmed`)."""
     counter = UsageCounter(finishes=[], finished=set())
     recorder = StreamRecorder(store_truncated=True, max_bytes=max_bytes)
     budget = TranscriptBudget(limit)
@@ -188,7 +195,7 @@ async def relayed(
         chunks=chunks,
         error_event=ending,
         resume=no_resume if following is None else continued_by(following),
-        trim=counter.unasked if trimmed else None,
+        trim=trim or (counter.unasked if trimmed else None),
     )
     entry = recorder.finish(now=0.0, open_event=end.open_event)
     return {
@@ -261,6 +268,30 @@ async def test_reads_of_one_event_each_give_what_event_by_event_gives(
     assert await relayed(reads, True, max_bytes, limit, trimmed, following) == await relayed(
         reads, False, max_bytes, limit, trimmed, following
     )
+
+
+def dropping_pings(data: bytes) -> bytes | None:
+    """A Trim that shows nothing of an event holding a usage key and the
+    text ` ping`, and the others that hold one on two lines, the key on
+    the second (what no trim of Ponto's does: the relay must frame it)."""
+    if data.find(b'"usage"') < 0:
+        return data
+    if data.find(b'" ping"') >= 0:
+        return None
+    return data.replace(b'"usage"', b'\n"usage"')
+
+
+async def test_a_trim_may_drop_a_read_of_one_event_or_show_it_on_lines() -> None:
+    # Reads of one event each, with a null usage: the one-event path asks
+    # the trim, and writes nothing of a dropped event, and an event shown
+    # on two lines as two data lines, as event by event.
+    ping = b"data: " + chunk_of(choices=[choice({"content": " ping"})], usage=None) + b"\n\n"
+    pong = b"data: " + chunk_of(choices=[choice({"content": " pong"})], usage=None) + b"\n\n"
+    reads = [ping, pong, CONTENT, b"data: [DONE]\n\n"]
+    got = await relayed(reads, True, 1 << 20, 1 << 20, trim=dropping_pings)
+    assert got == await relayed(reads, False, 1 << 20, 1 << 20, trim=dropping_pings)
+    shown = pong[6:-2].replace(b'"usage"', b'\ndata: "usage"')
+    assert b"".join(got["written"]) == b"data: " + shown + b"\n\n" + CONTENT + reads[-1]
 
 
 class Taking:
@@ -342,9 +373,6 @@ class Watchful:
 
     def close(self) -> None:
         pass
-
-
-CONTENT = b"data: " + chunk_of(choices=[choice({"content": " pong"})]) + b"\n\n"
 
 
 @pytest.mark.parametrize(
