@@ -82,7 +82,8 @@ class TranscriptBudget:
 
 
 class Transcript:
-    """The data of every event relayed so far, in order (an EventSink), up to
+    """The data of every event relayed so far, in order (an EventSink, a
+    ReadSink and a DataSink), up to
     MAX_TRANSCRIPT_BYTES and while `budget`'s transcripts hold no more than
     its limit; `overflow` says which bound stopped it ("" while it keeps
     events). Stopped, it drops its events and gives their bytes back: the
@@ -160,7 +161,7 @@ class Transcript:
             budget is not None and budget.held + size > budget.limit
         ):
             for data in datas:
-                self.event(Event(data))
+                self.data(data)
             return
         self._size += size
         if budget is not None:
