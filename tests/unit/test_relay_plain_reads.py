@@ -5,6 +5,7 @@ whatever the stream and however it is cut into reads."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from typing import Any, cast
@@ -489,3 +490,48 @@ def test_data_is_event_of_an_unnamed_event(datas: list[bytes], k: int, near: int
         )
 
     assert sunk(True) == sunk(False)
+
+
+class Stopping(Out):
+    """A client's stream during which the server stops: the relay is
+    cancelled in its `at`-th write (0 first)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self._at = at
+
+    async def write(self, data: bytes) -> None:
+        if len(self.written) == self._at:
+            self._at = -1
+            raise asyncio.CancelledError
+        await super().write(data)
+
+
+async def stopped_at(reads: list[bytes], plain: bool, at: int) -> tuple[list[bytes], Any]:
+    taking = Taking()
+    out = Stopping(at)
+    with pytest.raises(asyncio.CancelledError):
+        await relay(
+            reads[0],
+            Content(*reads[1:]),
+            cast(web.StreamResponse, out),
+            readers=[taking if plain else EventsOnly(taking)],
+            resume=no_resume,
+            stopped=lambda last: b"data: after " + (b"-" if last is None else last.data) + b"\n\n",
+        )
+    return out.written, taking.got
+
+
+@pytest.mark.parametrize("at", range(3))
+async def test_a_stop_during_a_read_of_one_event_ends_after_the_event_relayed_last(at: int) -> None:
+    # Cancelled in the one-event path's write: the stopping ending is made
+    # of the last event relayed (held as its data alone), as event by event.
+    pings = [
+        b"data: " + chunk_of(choices=[choice({"content": f" {i}"})]) + b"\n\n" for i in range(3)
+    ]
+    reads = [*pings, b"data: [DONE]\n\n"]
+    written, got = await stopped_at(reads, True, at)
+    assert written[-1] == b"data: after " + pings[at][6:-2] + b"\n\n"
+    each_written, each_got = await stopped_at(reads, False, at)
+    assert written == each_written
+    assert [data for _, data in got] == [data for _, data in each_got]
