@@ -207,9 +207,12 @@ class Ending(Protocol):
 
 class Stopped(Protocol):
     def __call__(self, last: Event | None) -> bytes | None:
-        """At a cancellation of the relay, after the client got `last` (None:
-        not one): the bytes that end its stream if the server is stopping,
-        None if the client left (nothing to write)."""
+        """At a cancellation of the relay, after `last` was handed to the
+        client's connection (None: not one): the bytes that end its stream if
+        the server is stopping, None if the client left (nothing to write). A
+        cancel that lands in a write's wait for the client to take its bytes
+        (aiohttp's drain) comes after the transport took them, so they go out
+        before the ending does."""
         ...
 
 
