@@ -97,15 +97,26 @@ FREE_PORTS_ENV = "PONTO_FREE_PORTS"
 
 def port_range() -> tuple[int, int]:
     """free_port's range as (first, past the last): from _OWN_PORTS_LOW to the
-    ephemeral range, narrowed by FREE_PORTS_ENV when it names a part of it
-    (a malformed or disjoint value is ignored)."""
+    ephemeral range, narrowed by FREE_PORTS_ENV (FIRST-LAST) when it is set.
+    A value that is not FIRST-LAST or holds no port of that range raises
+    DevEnvError: ignored, as it was, the servers of a run that asked for ports
+    of its own took the shared range instead (two helpers' runs at 42000-42999,
+    above this machine's ephemeral start, did so unawares)."""
     low, high = _OWN_PORTS_LOW, _ephemeral_low()
-    first, _, last = os.environ.get(FREE_PORTS_ENV, "").partition("-")
+    given = os.environ.get(FREE_PORTS_ENV, "")
+    if not given:
+        return low, high
+    first, _, last = given.partition("-")
     try:
         share = max(low, int(first)), min(high, int(last) + 1)
     except ValueError:
-        return low, high
-    return share if share[0] < share[1] else (low, high)
+        share = (0, 0)
+    if share[0] >= share[1]:
+        raise DevEnvError(
+            f"{FREE_PORTS_ENV}={given!r}: expected FIRST-LAST holding ports of "
+            f"{low}-{high - 1} (below the kernel's ephemeral range)"
+        )
+    return share
 
 
 # Ports below this are left to services people run on their machines.

@@ -81,11 +81,7 @@ def test_a_fleet_member_on_port_0_gets_a_port_below_the_ephemeral_range(
         ("21000-21009", (21000, 21010)),
         ("10000-20005", (20000, 20006)),  # clamped to the range
         ("31000-99999", (31000, None)),  # up to the ephemeral range
-        ("25000-24000", None),  # empty: ignored
-        ("5000-6000", None),  # disjoint: ignored
         ("", None),
-        ("21000", None),
-        ("a-b", None),
     ],
 )
 def test_a_process_trees_share_narrows_the_range(
@@ -99,6 +95,20 @@ def test_a_process_trees_share_narrows_the_range(
     monkeypatch.setattr(devenv, "_given", {})
     picks = {free_port() for _ in range(min(20, expected[1] - expected[0]))}
     assert all(expected[0] <= p < expected[1] for p in picks)
+
+
+@pytest.mark.parametrize("given", ["25000-24000", "5000-6000", "42000-42999", "21000", "a-b"])
+def test_a_share_that_holds_no_port_of_the_range_is_refused(
+    monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    """Empty, disjoint (42000-42999 is past the ephemeral start) or not
+    FIRST-LAST: said, not ignored for the whole range."""
+    monkeypatch.setenv(devenv.FREE_PORTS_ENV, given)
+    monkeypatch.setattr(devenv, "_ephemeral_low", lambda: 32768)
+    with pytest.raises(
+        devenv.DevEnvError, match="expected FIRST-LAST holding ports of 20000-32767"
+    ):
+        devenv.port_range()
 
 
 def test_the_halves_of_make_test_share_the_range_without_meeting() -> None:
