@@ -48,7 +48,7 @@ from typing import Any
 
 from bench.compare import LOAD_CPU, cache_stats, configure_ponto_features, start_ponto, wait_ready
 from bench.procs import affinity, status_kb
-from bench.wrk import WrkSpec
+from bench.wrk import WrkResult, WrkSpec
 from bench.wrk import run as run_wrk
 from ponto.fleet import Fleet
 
@@ -65,6 +65,25 @@ def request_body(max_tokens: int, stream: bool) -> bytes:
     )
 
 
+def load(
+    address: str, headers: tuple[tuple[str, str], ...], pid: int, args: argparse.Namespace
+) -> WrkResult:
+    """The load whose peak is read: `args.seconds` of wrk at 16 connections on
+    LOAD_CPU, each request unique (request_body), watching the proxy `pid`."""
+    return run_wrk(
+        WrkSpec(
+            url=f"http://{address}/v1/chat/completions",
+            body=request_body(args.max_tokens, args.stream),
+            headers=headers,
+            connections=16,
+            duration=args.seconds,
+            warmup=0,
+            cpus=frozenset({LOAD_CPU}),
+            watch_pids=(pid,),
+        )
+    )
+
+
 def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
     """One proxy with its exact cache bounded at cache_mb, under the load."""
     with tempfile.TemporaryDirectory(prefix="ponto-memory-") as tmp, Fleet(Path(tmp)) as fleet:
@@ -75,19 +94,7 @@ def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(fleet, "proxy")  # its share of the new key's limits
         pid = proxy.proc.pid
         idle_mb = status_kb(pid, "VmRSS") / 1024
-        body = request_body(args.max_tokens, args.stream)
-        result = run_wrk(
-            WrkSpec(
-                url=f"http://{proxy.address}/v1/chat/completions",
-                body=body,
-                headers=tuple(headers),
-                connections=16,
-                duration=args.seconds,
-                warmup=0,
-                cpus=frozenset({LOAD_CPU}),
-                watch_pids=(pid,),
-            )
-        )
+        result = load(proxy.address, headers, pid, args)
         peak_mb = status_kb(pid, "VmHWM") / 1024
         cache = cache_stats(fleet.metrics_addresses[proxy.name])
     return {

@@ -39,10 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import LOAD_CPU, configure_ponto_features, start_ponto, wait_ready
-from bench.memory import compiled_bytecode, request_body
+from bench.memory import compiled_bytecode, load
 from bench.procs import affinity, status_kb
-from bench.wrk import WrkSpec
-from bench.wrk import run as run_wrk
 from ponto.fleet import Fleet
 
 # The probe, as the proxy's sitecustomize. PEAK_PARTS_DIR is where it waits
@@ -201,19 +199,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         wait_ready(fleet, "proxy")
         pid = proxy.proc.pid
         idle = ask(probe_dir, "idle")
-        body = request_body(args.max_tokens, args.stream)
-        result = run_wrk(
-            WrkSpec(
-                url=f"http://{proxy.address}/v1/chat/completions",
-                body=body,
-                headers=tuple(headers),
-                connections=16,
-                duration=args.seconds,
-                warmup=0,
-                cpus=frozenset({LOAD_CPU}),
-                watch_pids=(pid,),
-            )
-        )
+        result = load(proxy.address, headers, pid, args)
         peak_kb = status_kb(pid, "VmHWM")
         loaded = ask(probe_dir, "loaded")
     return {
