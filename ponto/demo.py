@@ -663,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the proxies listen on PORT, PORT+1 and PORT+2, the control plane on PORT+3 "
         "(gRPC) and its status page on PORT+4, and the banner's proxy of your own on "
         "PORT+5 (default: 8080 to 8082, 7070, 7080 and 8099, each or a free port if "
-        "taken); etcd and Redis take free ports from 20000 up, the origins ports the "
-        "kernel picks",
+        "taken); etcd, Redis, the origins and each proxy's metrics port take free "
+        "ports from 20000 up, below the kernel's ephemeral range (the banner lists "
+        "them)",
     )
     args = p.parse_args(argv)
     fixed = fixed_ports(args.port_base)

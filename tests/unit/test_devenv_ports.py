@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from ponto import devenv
+from ponto import fleet as fleet_module
 from ponto.devenv import _ephemeral_low, free_port
-from ponto.fleet import _own_port
+from ponto.fleet import Fleet, _own_port
 from tests.conftest import part_share
 
 
@@ -116,3 +118,33 @@ def test_the_halves_of_make_test_share_the_range_without_meeting() -> None:
     assert e2e == (20000, 26383) and rest == (26384, 32767)
     assert part_share("e2e", 20000, 20002) == (20000, 20000)
     assert part_share("rest", 20000, 20002) == (20001, 20001)
+
+
+def test_the_demo_s_origins_and_proxy_metrics_ports_lie_below_the_ephemeral_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As README and `ponto-demo --help` say (trial 100 found them saying the
+    kernel picked the origins' ports): a member started as the demo starts it,
+    on port 0, listens on a free_port, and so does a proxy's metrics port."""
+    argvs: dict[str, list[str]] = {}
+
+    def spawn(name: str, argv: list[str], *args: object, **kwargs: object) -> None:
+        argvs[name] = argv
+
+    monkeypatch.setattr(fleet_module, "spawn", spawn)
+    fleet = Fleet(tmp_path)
+    fleet.start_origin("origin-us-east", "us-east")
+    fleet.start_proxy("proxy-us-east", "us-east", control_planes=["127.0.0.1:7070"])
+    ports = [
+        int(
+            argvs["origin-us-east"][argvs["origin-us-east"].index("--listen") + 1].rpartition(":")[
+                2
+            ]
+        ),
+        int(
+            argvs["proxy-us-east"][argvs["proxy-us-east"].index("--metrics-listen") + 1].rpartition(
+                ":"
+            )[2]
+        ),
+    ]
+    assert all(20000 <= port < _ephemeral_low() for port in ports), ports
