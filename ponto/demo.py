@@ -293,7 +293,7 @@ def banner(fleet: Fleet, *, logs_removed: bool, own_port: int = 0) -> str:
         "  .venv/bin/pontoctl get audit      # who changed what, when, from where",
         "  (the first key closes the fleet for good, revoked or not: every request then",
         "  needs 'Authorization: Bearer <key>' (curl -H, the openai client's api_key),",
-        "  the lines above included)",
+        "  every curl line and the openai snippet here included)",
         *failover_hint(fleet, first),
         "",
         *own_proxy_hint(fleet, own_port),
