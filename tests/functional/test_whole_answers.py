@@ -281,3 +281,26 @@ async def test_an_admitted_whole_answer_on_the_edge_carries_its_limit_headers(
     finally:
         await served.runner.cleanup()
         await server.close()
+
+
+async def test_a_whole_answer_handed_over_at_once_is_charged_and_kept(start: Start) -> None:
+    # A small whole answer goes out as a plain call (Pipeline.respond's path
+    # that waits for nothing, reached on the edge alone): its tokens are
+    # charged and its entry kept, so the repeat is a hit the origin never sees.
+    origin = Origin(usage={"prompt_tokens": 3, "completion_tokens": 7})
+    edge = await start(origin)
+    reader, writer = await edge.connect()
+    completion = {"tenant": "acme", "key": KEY.key_id, "kind": "completion"}
+    try:
+        writer.write(request())
+        status, headers, _ = await read_answer(reader)
+        assert (status, headers["x-ponto-cache"]) == (200, "miss")
+        await until(lambda: edge.sample("ponto_tenant_tokens_total", completion) is not None)
+        assert edge.sample("ponto_tenant_tokens_total", completion) == 7
+        writer.write(request())
+        status, headers, _ = await read_answer(reader)
+        assert (status, headers["x-ponto-cache"]) == (200, "hit")
+        assert origin.calls == 1
+        assert edge.sample("ponto_tenant_tokens_total", completion) == 7
+    finally:
+        writer.close()
