@@ -295,7 +295,8 @@ class Children:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout)
-        self._live = frozenset()
+        with self._lock:  # a child another thread started meanwhile stays known
+            self._live = frozenset(p for p in self._live if p not in live and p.poll() is None)
 
 
 children = Children()

@@ -299,6 +299,37 @@ def test_children_are_started_from_several_threads_at_once() -> None:
     assert set(children.running()) == {first, second, *outcomes}
 
 
+def test_a_child_started_while_the_others_stop_is_still_known_after() -> None:
+    """`stop` forgets only what it stopped: a child another thread started
+    while it waited for the others is still running, and the next stop ends it."""
+    children = devenv.Children()
+    late: list[object] = []
+
+    class Child:
+        def __init__(self, *args: object, **kw: object) -> None:
+            self.done: int | None = None
+
+        def poll(self) -> int | None:
+            return self.done
+
+        def terminate(self) -> None:
+            self.done = -15
+
+        def wait(self, timeout: float | None = None) -> int | None:
+            if not late:  # another thread's start, landing in this wait
+                late.append(children.start([], cast(IO[bytes], None), {}))
+            return self.done
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "Popen", Child)
+        first = children.start([], cast(IO[bytes], None), {})
+        children.stop()
+        assert children.running() == late, (first, late)
+        children.stop()
+    assert children.running() == []
+    assert [cast(Child, c).done for c in (first, *late)] == [-15, -15]
+
+
 def test_a_signal_deferred_by_another_threads_start_is_handled_in_the_main_thread() -> None:
     """A start in a worker thread defers a guarded handler as the main
     thread's does; once it ends, the handler runs in the main thread, where
