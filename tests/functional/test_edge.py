@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.test_utils import TestServer
 
@@ -30,6 +31,7 @@ from dataplane.http.edge import MAX_HEAD, EdgeRunner, parser_error
 from dataplane.http.pipeline import ENDPOINTS
 from dataplane.http.state import ACCESS_LOG, HOLDER, METRICS
 from dataplane.run import serve_metrics
+from dataplane.settings import Settings
 from dataplane.settings import parse as parse_proxy
 from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.originsim.app import build_app as sim_app
@@ -1012,6 +1014,15 @@ async def test_at_the_cap_with_every_connection_busy_a_new_one_gets_a_503(
     assert edge.origin_requests() == 0
 
 
+async def metrics_listener(app: web.Application, settings: Settings) -> tuple[web.AppRunner, int]:
+    """`app`'s --metrics-listen as the proxy serves it (dataplane.run): its
+    runner, which the caller cleans up, and its port."""
+    served = await serve_metrics(app, settings)
+    assert served is not None
+    runner, site = served
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
 async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
     start_edge: Start, tmp_path: Path
 ) -> None:
@@ -1031,11 +1042,8 @@ async def test_at_the_cap_liveness_is_answered_on_the_metrics_listener(
     assert (await read_answer(reader)).error()["code"] == "too_many_connections"
     writer.close()
     settings = parse_proxy(["--region=r1", f"--state-dir={tmp_path}", *flags])
-    served = await serve_metrics(edge.runner.app, settings)
-    assert served is not None
-    runner, site = served
+    runner, port = await metrics_listener(edge.runner.app, settings)
     try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         async with aiohttp.ClientSession() as session:
             for path in ("/healthz", "/health"):
                 async with session.get(f"http://127.0.0.1:{port}{path}") as answer:
@@ -1071,11 +1079,8 @@ async def test_a_404_on_the_metrics_listener_says_which_port_it_is(
     settings = parse_proxy(
         ["--region=r1", f"--state-dir={tmp_path}", "--metrics-listen=127.0.0.1:0"]
     )
-    served = await serve_metrics(edge.runner.app, settings)
-    assert served is not None
-    runner, site = served
+    runner, port = await metrics_listener(edge.runner.app, settings)
     try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         async with aiohttp.ClientSession() as session:
             for path in ("/v1/models", "/v1/moderations", "/key/generate", "/"):
                 async with session.get(f"http://127.0.0.1:{port}{path}") as answer:
