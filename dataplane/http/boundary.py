@@ -417,17 +417,22 @@ def _record(
     `m` and `access`: the app's METRICS and ACCESS_LOG (None when off), which
     the caller has."""
     answered = status  # what excused_here judges: an origin's own, for a held stream
+    held = 0
     if not error and ex is not None:
         error = ex.stream_error
-        if not error and ex.held_status:
-            # A stream whose head went out before its origin's error answer
-            # (reply.into_held): its status is the origin's, not the 200 its
-            # client had, so a 400 an origin gave a held stream's bad prompt
-            # is excused as any other's is, and a held stream refused with a
-            # code per request makes no duration histogram per request.
-            answered = ex.held_status
+        if not error:
+            # A stream whose head went out before its origin's answer, which
+            # became its error event (reply.into_held): a failure whatever
+            # that answer's status (a 2xx no stream could be made of too),
+            # and that status is the origin's, not the 200 its client had, so
+            # a 400 an origin gave a held stream's bad prompt is excused as
+            # any other's is, and a held stream refused with a code per
+            # request makes no duration histogram per request.
+            held = ex.held_status
+            if held:
+                answered = held
     logged = error
-    if not error and answered >= 400:
+    if not error and (held or answered >= 400):
         # An origin's own error answer: the metrics' error type is its status
         # (an origin's codes are its own to choose, and would make label
         # values without bound), the access line its code when it gave one.

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dataplane.http.hold import KEEP_ALIVE
+from dataplane.http.reply import NOT_A_STREAM
 from dataplane.http.state import ACCESS_LOG, DRAINING, METRICS, PIPELINE
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_continuation import (
@@ -76,9 +77,11 @@ def frames_of(raw: str) -> list[str]:
     return [f for f in raw.split("\n\n") if f]
 
 
-async def access_line(p: Proxy, capfd: pytest.CaptureFixture[str]) -> dict[str, Any]:
+async def access_line(
+    p: Proxy, capfd: pytest.CaptureFixture[str], endpoint: str = "chat.completions"
+) -> dict[str, Any]:
     registry = p.app[METRICS].registry
-    labels = {"endpoint": "chat.completions", "code": "200"}
+    labels = {"endpoint": endpoint, "code": "200"}
     for _ in range(500):  # the line is written once the handler has returned
         if registry.get_sample_value("ponto_requests_total", labels):
             break
@@ -230,6 +233,34 @@ async def test_an_origins_error_code_after_the_head_is_logged_and_its_status_is_
     assert operations(p) == {("400", "r0"): 1}
     # The client's bad request, not its region's failure, as when not held.
     assert p.app[METRICS].excused == {"r0": 1}
+
+
+async def test_a_2xx_answer_no_stream_can_be_made_of_after_the_head_is_recorded_as_its_status(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An origin's 200 to a held Responses stream that no stream can be made
+    of (a response without its output): the stream's error event
+    (reply.NOT_A_STREAM), recorded as a failure by its status, 200, in the
+    metrics, the access line and the span alike. 27a430a4 had the metrics
+    and the line count it a success while the span still named it."""
+
+    async def odd(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"id": "resp_1", "object": "response"})
+
+    p = await proxy([(Origin(odd), False)], idle="30", extra=HOLD_AT_ONCE)
+    exporter = InMemorySpanExporter()
+    p.app[PIPELINE].tracer = tracing(exporter).tracer
+    capfd.readouterr()
+    ask = {"model": MODEL, "input": "hi", "stream": True}
+    resp = await p.client.post("/v1/responses", json=ask)
+    assert resp.status == 200
+    frames = frames_of((await resp.read()).decode())
+    assert NOT_A_STREAM in frames[-1]
+    span = last_tree(exporter).attrs
+    assert (span["http.response.status_code"], span["error.type"]) == (200, "200")
+    line = await access_line(p, capfd, "responses")
+    assert (line["status"], line["error"]) == (200, "200")
+    assert operations(p) == {("200", "r0"): 1}
 
 
 async def test_a_stream_answered_within_the_hold_has_its_origins_head(
