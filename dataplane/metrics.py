@@ -278,11 +278,10 @@ class Histogram(_Family[HistogramCell]):
 
     def samples(self) -> Metric:
         family = self._empty()
-        les = [*(_le(b) for b in self._bounds), "+Inf"]
         for values, cell in list(self._cells.items()):
             cumulative = 0
             buckets = []
-            for le, count in zip(les, cell.counts, strict=True):
+            for le, count in zip(self._les, cell.counts, strict=True):
                 cumulative += count
                 buckets.append((le, float(cumulative)))
             family.add_metric(list(values), buckets, cell.sum)
