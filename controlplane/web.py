@@ -298,9 +298,6 @@ class StatusWeb:
         app = web.Application(
             middlewares=[self._request_id, self._errors], client_max_size=64 * 1024
         )
-        # Every answer names the product as the proxy's do, not the Python
-        # and aiohttp versions aiohttp's prepare would write.
-        app.on_response_prepare.append(_name_the_server)
         app.router.add_get("/", self._index)
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         app.router.add_get("/api/status", self._status)
@@ -322,10 +319,15 @@ class StatusWeb:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """Every answer carries x-request-id: the client's own when plain, as
-        the proxy's do (dataplane.http.requestid)."""
+        the proxy's do (dataplane.http.requestid); and names the product as
+        theirs do, not the Python and aiohttp versions aiohttp's prepare would
+        write (it sets a Server only where none is). Here, not in an
+        on_response_prepare hook: any such hook takes every answer off the
+        edge's one-write path (dataplane.http.edge)."""
         request[REQUEST_ID] = request_id = self._ids.of(request.headers.get("x-request-id"))
         response = await handler(request)
         response.headers["x-request-id"] = request_id
+        response.headers[hdrs.SERVER] = SERVER_NAME
         return response
 
     @web.middleware
@@ -1080,11 +1082,6 @@ class Departures:
     def gone(self) -> list[tuple[ProxyRecord, float]]:
         """Each departed proxy's last record and when it was first missed, by name."""
         return [self._gone[name] for name in sorted(self._gone)]
-
-
-async def _name_the_server(_: web.Request, response: web.StreamResponse) -> None:
-    """An on_response_prepare hook: aiohttp has set its own Server by then."""
-    response.headers[hdrs.SERVER] = SERVER_NAME
 
 
 def _proxy_row(
