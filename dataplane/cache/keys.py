@@ -277,16 +277,15 @@ def canonical_request(
             params[name] = value
             continue
         if name == "messages" and endpoint == CHAT:
-            chat_messages = value
-            # Keyed below when the body names a parameter texts_as_sent reads.
-            params[name] = value if names_as_sent else _canon_messages(value)
+            chat_messages = value  # keyed below, once every parameter is seen
         else:
             params[name] = _canon(value)
     doc: dict[str, Any] = {"body": params, "endpoint": endpoint}
-    if names_as_sent and chat_messages is not None:
-        # Here, once every parameter is seen: one the body names after the
-        # messages may have left them keyed normalised above.
-        as_sent = texts_as_sent(body)
+    if chat_messages is not None:
+        # After the loop: a parameter texts_as_sent reads may come after the
+        # messages in the body (dumps sorts the keys, so where they go in
+        # `params` does not matter).
+        as_sent = texts_as_sent(body) if names_as_sent else None
         if as_sent is None:
             params["messages"] = _canon_messages(chat_messages)
         else:
