@@ -377,17 +377,11 @@ def any_string(value: Any) -> None:
         raise _wrong_type("a string", value)
 
 
-def string(*, non_empty: bool = False) -> Check:
-    if not non_empty:
-        return any_string
-
-    def check(value: Any) -> None:
-        if not isinstance(value, str):
-            raise _wrong_type("a string", value)
-        if not value:
-            raise _empty("string")
-
-    return check
+def non_empty_string(value: Any) -> None:
+    if not isinstance(value, str):
+        raise _wrong_type("a string", value)
+    if not value:
+        raise _empty("string")
 
 
 def enum(*values: str) -> Check:
@@ -544,7 +538,7 @@ def _token_ids(value: Any) -> None:
 def _prompt_like(*, non_empty: bool) -> Check:
     """A string, or an array of strings, of token ids, or of arrays of token ids
     (the `prompt` of completions and the `input` of embeddings)."""
-    text = string(non_empty=non_empty)
+    text = non_empty_string if non_empty else any_string
     expected = "a string, an array of strings, an array of integers or an array of arrays"
 
     def items(value: list[Any]) -> None:
@@ -599,14 +593,16 @@ COMPLETIONS_MAX_TOKENS = integer(0, MAX_INT)
 # vLLM refuses completions' -1.
 LOGPROBS = integer(0, 1 << 20)
 CHAT_TOP_LOGPROBS = integer(-1, 1 << 20)
-SEED = integer(-_INT64, _INT64 - 1)
+# Any integer the parser reads exactly (64 bits, signed).
+INT64 = integer(-_INT64, _INT64 - 1)
+SEED = INT64
 # How many stop sequences a request has is the origin's to judge: OpenAI
 # takes 4, vLLM, llama.cpp and TGI any number, which agent frameworks send
 # to them (a new user's trial: 5 for a vLLM origin were refused). An
 # OpenAI-hosted origin refuses more itself, and its 400 is relayed.
 STOP = either(
-    string(),
-    array(string(), expected="an array of strings"),
+    any_string,
+    array(any_string, expected="an array of strings"),
     expected="a string or an array of strings",
 )
 # Settings the proxy passes on without reading, which a vLLM chat endpoint
@@ -629,8 +625,8 @@ TOOL_CHOICE_MODE = enum("none", "auto", "required")
 # ------------------------------------------------ chat completions
 
 VLLM_PART_TYPES = ("audio_url", "video_url", "image_embeds", "image_pil", "input_video")
-TEXT_PART = obj({"text": string()}, required=("text",))
-REFUSAL_PART = obj({"refusal": string()}, required=("refusal",))
+TEXT_PART = obj({"text": any_string}, required=("text",))
+REFUSAL_PART = obj({"refusal": any_string}, required=("refusal",))
 CHAT_PART = typed(
     {
         "text": TEXT_PART,
@@ -641,9 +637,9 @@ CHAT_PART = typed(
                 # trial had it refused. Estimated as the object form, keyed apart from it
                 # (a string and an object of one URL are two entries: no wrong hit).
                 "image_url": either(
-                    string(non_empty=True),
+                    non_empty_string,
                     obj(
-                        {"url": string(non_empty=True), "detail": enum("auto", "low", "high")},
+                        {"url": non_empty_string, "detail": enum("auto", "low", "high")},
                         required=("url",),
                     ),
                     expected="a string or an object",
@@ -655,13 +651,13 @@ CHAT_PART = typed(
         "input_audio": obj(
             {
                 "input_audio": obj(
-                    {"data": string(), "format": enum("wav", "mp3")}, required=("data", "format")
+                    {"data": any_string, "format": enum("wav", "mp3")}, required=("data", "format")
                 )
             },
             required=("input_audio",),
         ),
         "file": obj(
-            {"file": obj({"file_data": string(), "file_id": string(), "filename": string()})},
+            {"file": obj({"file_data": any_string, "file_id": any_string, "filename": any_string})},
             required=("file",),
         ),
         "refusal": REFUSAL_PART,
@@ -671,20 +667,22 @@ CHAT_PART = typed(
     closed=True,  # vLLM refuses a part type it does not know, and so does OpenAI
 )
 CHAT_CONTENT = either(
-    string(),
+    any_string,
     # An empty array is an empty text, as vLLM reads it (OpenAI refuses it).
     array(CHAT_PART, expected=OBJECTS),
     expected="one of a string or array of objects",
 )
 
-FUNCTION_CALL = obj({"name": string(), "arguments": string()}, required=("name", "arguments"))
+FUNCTION_CALL = obj({"name": any_string, "arguments": any_string}, required=("name", "arguments"))
 TOOL_CALL = typed(
     {
-        "function": obj({"id": string(), "function": FUNCTION_CALL}, required=("id", "function")),
+        "function": obj({"id": any_string, "function": FUNCTION_CALL}, required=("id", "function")),
         "custom": obj(
             {
-                "id": string(),
-                "custom": obj({"name": string(), "input": string()}, required=("name", "input")),
+                "id": any_string,
+                "custom": obj(
+                    {"name": any_string, "input": any_string}, required=("name", "input")
+                ),
             },
             required=("id", "custom"),
         ),
@@ -692,7 +690,7 @@ TOOL_CALL = typed(
     closed=True,
 )
 
-_MESSAGE_FIELDS: dict[str, Check] = {"content": CHAT_CONTENT, "name": string()}
+_MESSAGE_FIELDS: dict[str, Check] = {"content": CHAT_CONTENT, "name": any_string}
 _ROLE = enum("system", "assistant", "user", "function", "tool", "developer")
 _ROLES: dict[str, Check] = {
     "system": obj(_MESSAGE_FIELDS, required=("content",)),
@@ -701,8 +699,8 @@ _ROLES: dict[str, Check] = {
     "assistant": obj(
         {
             **_MESSAGE_FIELDS,
-            "refusal": string(),
-            "audio": obj({"id": string()}, required=("id",)),
+            "refusal": any_string,
+            "audio": obj({"id": any_string}, required=("id",)),
             # Empty is taken, as none: vLLM writes `"tool_calls": []` into
             # its own answers, which agents send back as the next turn
             # (review: refusing it, as OpenAI does, broke every second turn).
@@ -711,9 +709,9 @@ _ROLES: dict[str, Check] = {
         }
     ),
     "tool": obj(
-        {**_MESSAGE_FIELDS, "tool_call_id": string()}, required=("content", "tool_call_id")
+        {**_MESSAGE_FIELDS, "tool_call_id": any_string}, required=("content", "tool_call_id")
     ),
-    "function": obj({"content": string(), "name": string()}, required=("name",)),
+    "function": obj({"content": any_string, "name": any_string}, required=("name",)),
 }
 
 
@@ -787,10 +785,12 @@ def _messages(value: Any) -> None:
 
 
 FUNCTION = obj(
-    {"name": NAME, "description": string(), "parameters": SCHEMA, "strict": boolean},
+    {"name": NAME, "description": any_string, "parameters": SCHEMA, "strict": boolean},
     required=("name",),
 )
-CUSTOM_TOOL = obj({"name": NAME, "description": string(), "format": any_object}, required=("name",))
+CUSTOM_TOOL = obj(
+    {"name": NAME, "description": any_string, "format": any_object}, required=("name",)
+)
 CHAT_TOOLS = array(
     typed(
         {
@@ -804,7 +804,7 @@ CHAT_TOOLS = array(
     # take it, and agent code sends `tools=[]` when it has none: review).
     # Any number of tools: OpenAI takes 128, vLLM any (trial 97).
 )
-_NAMED = obj({"name": string()}, required=("name",))
+_NAMED = obj({"name": any_string}, required=("name",))
 CHAT_TOOL_CHOICE = either(
     TOOL_CHOICE_MODE,
     typed(
@@ -833,7 +833,7 @@ RESPONSE_FORMAT = typed(
         "json_schema": obj(
             {
                 "json_schema": obj(
-                    {"name": NAME, "description": string(), "schema": SCHEMA, "strict": boolean},
+                    {"name": NAME, "description": any_string, "schema": SCHEMA, "strict": boolean},
                     required=("name",),
                 )
             },
@@ -848,7 +848,7 @@ RESPONSE_FORMAT = typed(
 # Items of `input` and tools are flat (a function's name sits on the tool
 # itself), and structured output is asked for in `text.format`.
 
-INPUT_TEXT = obj({"text": string()}, required=("text",))
+INPUT_TEXT = obj({"text": any_string}, required=("text",))
 RESPONSE_PART = typed(
     {
         "input_text": INPUT_TEXT,
@@ -856,18 +856,23 @@ RESPONSE_PART = typed(
         "refusal": REFUSAL_PART,
         "input_image": obj(
             {
-                "image_url": string(non_empty=True),
-                "file_id": string(),
+                "image_url": non_empty_string,
+                "file_id": any_string,
                 "detail": enum("auto", "low", "high"),
             }
         ),
         "input_file": obj(
-            {"file_data": string(), "file_id": string(), "file_url": string(), "filename": string()}
+            {
+                "file_data": any_string,
+                "file_id": any_string,
+                "file_url": any_string,
+                "filename": any_string,
+            }
         ),
     }
 )
 RESPONSE_CONTENT = either(
-    string(),
+    any_string,
     array(RESPONSE_PART, expected=OBJECTS),
     expected="one of a string or array of objects",
 )
@@ -879,13 +884,13 @@ _RESPONSE_ITEM = typed(
     {
         "message": RESPONSE_MESSAGE,
         "function_call": obj(
-            {"call_id": string(), "name": string(), "arguments": string()},
+            {"call_id": any_string, "name": any_string, "arguments": any_string},
             required=("call_id", "name", "arguments"),
         ),
         "function_call_output": obj(
-            {"call_id": string(), "output": RESPONSE_CONTENT}, required=("call_id", "output")
+            {"call_id": any_string, "output": RESPONSE_CONTENT}, required=("call_id", "output")
         ),
-        "item_reference": obj({"id": string()}, required=("id",)),
+        "item_reference": obj({"id": any_string}, required=("id",)),
     },
     required=False,
 )
@@ -918,7 +923,7 @@ RESPONSE_TOOLS = array(
     typed(
         {
             "function": obj(
-                {"name": NAME, "description": string(), "parameters": SCHEMA, "strict": boolean},
+                {"name": NAME, "description": any_string, "parameters": SCHEMA, "strict": boolean},
                 required=("name",),
             ),
             "custom": CUSTOM_TOOL,
@@ -937,7 +942,7 @@ TEXT_FORMAT = typed(
         "text": any_object,
         "json_object": any_object,
         "json_schema": obj(
-            {"name": NAME, "description": string(), "schema": SCHEMA, "strict": boolean},
+            {"name": NAME, "description": any_string, "schema": SCHEMA, "strict": boolean},
             required=("name", "schema"),
         ),
     },
@@ -968,7 +973,7 @@ def _no_stream(what: str) -> Cross:
     return cross
 
 
-_EACH_DOCUMENT = array(string(), expected="an array of strings", non_empty=True)
+_EACH_DOCUMENT = array(any_string, expected="an array of strings", non_empty=True)
 
 
 def _documents(value: Any) -> None:
@@ -1070,7 +1075,7 @@ class Rules:
 
 
 COMMON: Final[dict[str, Check]] = {
-    "model": string(non_empty=True),
+    "model": non_empty_string,
     "stream": boolean,
     "stream_options": STREAM_OPTIONS,
     "temperature": TEMPERATURE,
@@ -1115,8 +1120,8 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "response_format": RESPONSE_FORMAT,
             # Output modalities and audio (OpenAI's text and audio; wav, aac,
             # mp3, flac, opus, pcm16): passed on unread, as service_tier.
-            "modalities": array(string(), expected="an array of strings"),
-            "audio": obj({"voice": string(), "format": string()}, required=("voice", "format")),
+            "modalities": array(any_string, expected="an array of strings"),
+            "audio": obj({"voice": any_string, "format": any_string}, required=("voice", "format")),
             "prediction": typed(
                 {"content": obj({"content": CHAT_CONTENT}, required=("content",))}, closed=True
             ),
@@ -1144,7 +1149,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
             "best_of": integer(1, MAX_INT),
             "echo": boolean,
             "logprobs": LOGPROBS,
-            "suffix": string(),
+            "suffix": any_string,
         },
         (_stream_options_need_stream, _best_of_at_least_n),
     ),
@@ -1164,22 +1169,22 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         {
             **COMMON,
             "input": either(
-                string(),
+                any_string,
                 array(_response_item, expected=OBJECTS),
                 expected="a string or an array of objects",
             ),
-            "instructions": string(),
+            "instructions": any_string,
             "max_output_tokens": MAX_TOKENS,
             # Any integer the parser reads exactly (64 bits): OpenAI takes 1
             # and more, vLLM bounds it nowhere, and the proxy counts nothing
             # with it (MAX_INT bounds only what it counts with).
-            "max_tool_calls": integer(-_INT64, _INT64 - 1),
+            "max_tool_calls": INT64,
             "top_logprobs": LOGPROBS,
             "tools": RESPONSE_TOOLS,
             "tool_choice": RESPONSE_TOOL_CHOICE,
             "parallel_tool_calls": boolean,
             "text": obj({"format": TEXT_FORMAT, "verbosity": VERBOSITY}),
-            "previous_response_id": string(non_empty=True),
+            "previous_response_id": non_empty_string,
             "truncation": enum("auto", "disabled"),
             "reasoning": obj(
                 {
@@ -1189,15 +1194,15 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
                 }
             ),
             "background": _foreground,
-            "include": array(string(), expected="an array of strings"),
+            "include": array(any_string, expected="an array of strings"),
             "conversation": either(
-                string(),
-                obj({"id": string()}, required=("id",)),
+                any_string,
+                obj({"id": any_string}, required=("id",)),
                 expected="a string or an object",
                 container=dict,
             ),
             "prompt": obj(
-                {"id": string(), "version": string(), "variables": any_object}, required=("id",)
+                {"id": any_string, "version": any_string, "variables": any_object}, required=("id",)
             ),
         },
         (
@@ -1216,7 +1221,7 @@ ENDPOINT_RULES: Final[Mapping[str, Rules]] = {
         ("model", "query", "documents"),
         {
             "model": COMMON["model"],
-            "query": string(non_empty=True),
+            "query": non_empty_string,
             "documents": _documents,
             "top_n": integer(-MAX_INT - 1, MAX_INT),
             "return_documents": boolean,
