@@ -557,9 +557,9 @@ class StreamRecorder:
                 # A run of chunks like the last kept, told at once (a read of
                 # many events: an origin that sends several a read, nginx).
                 tried = True
-                run = _like_run(payloads, at, like[0], like[1])
-                if run:
-                    taken = payloads[at : at + run]
+                taken = _like_run(payloads, at, like[0], like[1])
+                if taken:
+                    run = len(taken)
                     grown = size + sum(map(len, taken)) + CHUNK_OVERHEAD * run
                     # Past the bound, one by one below: it fails where `_keep` would.
                     if bound is None or grown <= bound:
@@ -761,11 +761,11 @@ def _around_text(payload: bytes) -> tuple[bytes, bytes, int, int, bool] | None:
     return payload[:start], payload[end:], start, len(payload) - end, False
 
 
-def _like_run(payloads: list[bytes], at: int, head: bytes, tail: bytes) -> int:
-    """How many of `payloads` from `at` on, in a row, are each `head`, a JSON
+def _like_run(payloads: list[bytes], at: int, head: bytes, tail: bytes) -> list[bytes]:
+    """The run of `payloads` from `at` on, in a row, that are each `head`, a JSON
     string's body without `\\u` escapes (`_TEXT_BODY`) and `tail`, UTF-8:
     what StreamRecorder.datas's test of each tells, told by C calls over
-    them all (0 when it cannot tell: they go one by one), not bytecode and a
+    them all (none when it cannot tell: they go one by one), not bytecode and a
     regex call each.
 
     Their bodies are checked joined by a plain byte (`a`): one that ends
@@ -781,14 +781,14 @@ def _like_run(payloads: list[bytes], at: int, head: bytes, tail: bytes) -> int:
     pairs = zip(heads, map(itemgetter(slice(-len(tail), None)), rest), strict=True)
     run = len(list(takewhile(ends.__eq__, pairs)))
     if not run:
-        return 0
+        return []
     taken = rest[:run] if run < len(rest) else rest
     if min(map(len, taken)) < len(head) + len(tail):  # a head and tail that overlap
-        return 0
+        return []
     texts = b"a".join(map(itemgetter(slice(len(head), -len(tail))), taken))
     if _TEXT_BODY.fullmatch(texts) is None or not (texts.isascii() or _utf8(texts)):
-        return 0
-    return run
+        return []
+    return taken
 
 
 # What a chunk of OpenAI's ends with: its `obfuscation` member, a string.
