@@ -42,14 +42,22 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.compare import LOAD_CPU, cache_stats, configure_ponto_features, start_ponto, wait_ready
+from bench.compare import (
+    LOAD_CPU,
+    Header,
+    cache_stats,
+    configure_ponto_features,
+    start_ponto,
+    wait_ready,
+)
 from bench.procs import affinity, status_kb
 from bench.wrk import WrkResult, WrkSpec
 from bench.wrk import run as run_wrk
+from ponto.devenv import Managed
 from ponto.fleet import Fleet
 
 BODY = (
@@ -65,9 +73,7 @@ def request_body(max_tokens: int, stream: bool) -> bytes:
     )
 
 
-def load(
-    address: str, headers: tuple[tuple[str, str], ...], pid: int, args: argparse.Namespace
-) -> WrkResult:
+def load(address: str, headers: Header, pid: int, args: argparse.Namespace) -> WrkResult:
     """The load whose peak is read: `args.seconds` of wrk at 16 connections on
     LOAD_CPU, each request unique (request_body), watching the proxy `pid`."""
     return run_wrk(
@@ -84,14 +90,24 @@ def load(
     )
 
 
+def featured_proxy(
+    fleet: Fleet, cache_mb: int, launcher: Sequence[str] = ()
+) -> tuple[Managed, Header, str]:
+    """`fleet`'s proxy (started by `launcher`) with its exact cache bounded at
+    cache_mb and key auth, limits and the cache on, ready to be measured: it,
+    the headers its requests need, and what was turned on."""
+    with affinity({LOAD_CPU}):
+        _, proxy = start_ponto(fleet, ["--cache-max-mb", str(cache_mb)], launcher)
+    headers, what = configure_ponto_features(fleet, "auth-limits-cache")
+    wait_ready(fleet, "proxy")  # its share of the new key's limits
+    return proxy, headers, what
+
+
 def measure(cache_mb: int, args: argparse.Namespace) -> dict[str, Any]:
     """One proxy with its exact cache bounded at cache_mb, under the load."""
     with tempfile.TemporaryDirectory(prefix="ponto-memory-") as tmp, Fleet(Path(tmp)) as fleet:
-        with affinity({LOAD_CPU}):
-            launcher = ("env", "PYTHONOPTIMIZE=2") if args.optimize else ()
-            _, proxy = start_ponto(fleet, ["--cache-max-mb", str(cache_mb)], launcher)
-        headers, what = configure_ponto_features(fleet, "auth-limits-cache")
-        wait_ready(fleet, "proxy")  # its share of the new key's limits
+        launcher = ("env", "PYTHONOPTIMIZE=2") if args.optimize else ()
+        proxy, headers, what = featured_proxy(fleet, cache_mb, launcher)
         pid = proxy.proc.pid
         idle_mb = status_kb(pid, "VmRSS") / 1024
         result = load(proxy.address, headers, pid, args)

@@ -38,9 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.compare import LOAD_CPU, configure_ponto_features, start_ponto, wait_ready
-from bench.memory import compiled_bytecode, load
-from bench.procs import affinity, status_kb
+from bench.memory import compiled_bytecode, featured_proxy, load
+from bench.procs import status_kb
 from ponto.fleet import Fleet
 
 # The probe, as the proxy's sitecustomize. PEAK_PARTS_DIR is where it waits
@@ -193,10 +192,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             env.append("PEAK_PARTS_TRACEMALLOC=1")
         if args.trim_every:
             env.append(f"PEAK_PARTS_TRIM_EVERY={args.trim_every}")
-        with affinity({LOAD_CPU}):
-            _, proxy = start_ponto(fleet, ["--cache-max-mb", str(args.cache_mb)], ("env", *env))
-        headers, what = configure_ponto_features(fleet, "auth-limits-cache")
-        wait_ready(fleet, "proxy")
+        proxy, headers, what = featured_proxy(fleet, args.cache_mb, ("env", *env))
         pid = proxy.proc.pid
         idle = ask(probe_dir, "idle")
         result = load(proxy.address, headers, pid, args)
