@@ -31,7 +31,7 @@ def replica_silent_s(
 ) -> float | None:
     """Seconds proxy `p`'s replica has not renewed its lease for, when that
     is longer than it should (replica_silence; `replicas` and `silences` as
-    unknown_why takes them); None while it renews. A replica ends a
+    table_state takes them); None while it renews. A replica ends a
     proxy's registration when its route stream ends, so a listed proxy's
     stream is open unless its replica is silent (hung or dead: its keys
     stay until its lease ends). Limits, each bounded: a registration waits
@@ -47,24 +47,26 @@ def replica_silent_s(
     return None if replica is None or seen is None else replica_silence(replica, seen)
 
 
-def unknown_why(
+def table_state(
     p: ProxyRecord,
     replicas: Mapping[str, Mapping[str, object]],
     latest: Snapshot | None,
     latest_age_s: float,
     silences: Mapping[str, float],
-) -> str:
-    """Why proxy `p`'s table state is not known ("": it is): its replica (in
-    `replicas`, id -> its decoded key) has not renewed its lease for longer
-    than it should (replica_silence, by `silences`: id -> seconds since the
-    reader saw its key change, ReplicaBeats.silences), or still
-    serves a table whose content differs from and is older than `latest`,
-    this replica's, published `latest_age_s` seconds ago, past
+) -> tuple[str, bool]:
+    """Why proxy `p`'s table state is not known ("": it is), and whether
+    its replica is silent (its route stream may be gone), of one reading of
+    that silence (a status row's `unknown` and `stale`). Not known when its
+    replica (in `replicas`, id -> its decoded key) has not renewed its
+    lease for longer than it should (replica_silent_s, by `silences`: id ->
+    seconds since the reader saw its key change, ReplicaBeats.silences), or
+    still serves a table whose content differs from and is older than
+    `latest`, this replica's, published `latest_age_s` seconds ago, past
     TABLE_GRACE_S."""
     replica_id = p.control_plane_id
     silent = replica_silent_s(p, replicas, silences)
     if silent is not None:
-        return f"its replica {replica_id} has not renewed for {silent:.0f} s"
+        return f"its replica {replica_id} has not renewed for {silent:.0f} s", True
     if (
         latest is not None
         and p.replica_etag
@@ -75,5 +77,5 @@ def unknown_why(
         return (
             f"its replica {replica_id} has not taken the latest table "
             f"(published {latest_age_s:.0f} s ago)"
-        )
-    return ""
+        ), False
+    return "", False

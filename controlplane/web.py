@@ -84,7 +84,7 @@ from controlplane.errors import (
     OutcomeUnknown,
     Unavailable,
 )
-from controlplane.fleetstate import replica_silent_s, unknown_why
+from controlplane.fleetstate import table_state
 from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
 from controlplane.load import continuation_warning
 from controlplane.model import DrainKind, Origin, ProxyRecord, Region
@@ -483,8 +483,7 @@ class StatusWeb:
                     latest_version,
                     now,
                     self._stale_after,
-                    unknown_why(p, by_id, latest, latest_age, silences),
-                    stale=replica_silent_s(p, by_id, silences) is not None,
+                    *table_state(p, by_id, latest, latest_age, silences),
                 )
                 for p in proxies
             ],
@@ -1090,12 +1089,11 @@ def _proxy_row(
     now: float,
     quiet_after: float,
     unknown: str = "",
-    *,
     stale: bool = False,
 ) -> dict[str, Any]:
-    """A proxy's row; `unknown`: why its table state is not known
-    (fleetstate.unknown_why), when it is not latest whatever it ACKed;
-    `stale`: its route stream may be gone (fleetstate.replica_silent_s).
+    """A proxy's row; `unknown`: why its table state is not known, when it
+    is not latest whatever it ACKed; `stale`: its route stream may be gone,
+    its replica silent (both fleetstate.table_state's).
     `quiet` says it reported no change for `quiet_after` seconds: an idle
     proxy, connected all the same, as only changes are written."""
     heard = p.heard_at or p.connected_at

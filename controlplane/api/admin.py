@@ -32,7 +32,7 @@ from controlplane.compile import limits_pb, tenant_pb
 from controlplane.distribute import Publisher
 from controlplane.ejections import fleet_ejections
 from controlplane.errors import ChangedSinceRead, InvalidArgument, Unavailable
-from controlplane.fleetstate import unknown_why
+from controlplane.fleetstate import table_state
 from controlplane.fleetwarnings import fleet_warnings, origin_warnings, proxy_warnings
 from controlplane.keypages import page_of, spent_of
 from controlplane.messages import (
@@ -718,7 +718,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         silences = self._catalog.replica_beats.silences()
         return apb.ListProxiesResponse(
             proxies=[
-                proxy_pb(p, unknown_why(p, by_id, latest, age, silences))
+                proxy_pb(p, table_state(p, by_id, latest, age, silences)[0])
                 for p in sorted(proxies, key=lambda p: p.name)
             ],
             current_version=latest.version if latest else 0,

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
+from controlplane import fleetstate
 from controlplane.api.admin import AdminService
 from controlplane.audit import AuditLog
 from controlplane.catalog import Catalog
 from controlplane.cli import _rows_proxies
 from controlplane.distribute import Publisher
-from controlplane.fleetstate import TABLE_GRACE_S, unknown_why
+from controlplane.fleetstate import TABLE_GRACE_S, table_state
 from controlplane.model import ProxyRecord
 from controlplane.registry import ProxyRegistry, replica_silence, silent_after
 from controlplane.store.memory import MemoryStore
@@ -110,6 +111,26 @@ async def test_an_idle_proxy_of_a_renewing_replica_is_quiet_not_stale() -> None:
     assert {r["stale"] for r in await silent.page()} == {False}
 
 
+async def test_a_status_row_reads_its_replicas_silence_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A proxy's `unknown` and `stale` say one reading of its replica's
+    silence: it was read twice a row, once for each field."""
+    reads: list[float] = []
+
+    def counted(replica: dict[str, object], silent: float) -> float | None:
+        reads.append(silent)
+        return replica_silence(replica, silent)
+
+    monkeypatch.setattr(fleetstate, "replica_silence", counted)
+    fleet = Fleet(cp3_silent_s=8.0, published_s_ago=1.0)
+    await fleet.start()
+    rows = await fleet.page()
+    why = "its replica cp3 has not renewed for 8 s"
+    assert [(r["unknown"], r["stale"]) for r in rows] == [(why, True), (why, True)]
+    assert len(reads) == len(rows)  # one reading a row
+
+
 async def test_a_replica_behind_the_latest_table_past_the_push_time_is_unknown() -> None:
     fleet = Fleet(cp3_silent_s=0.0, published_s_ago=TABLE_GRACE_S + 5)
     await fleet.start()
@@ -143,10 +164,11 @@ async def test_a_replica_summary_follows_its_table_without_an_ack() -> None:
     assert set((await fleet.cli_states()).values()) == {"behind"}
 
 
-def test_unknown_why_reads_a_replica_from_before_the_heartbeat_as_live() -> None:
+def test_table_state_reads_a_replica_from_before_the_heartbeat_as_live() -> None:
     p = ProxyRecord("eu-1", "eu-west", "a", "1", "s", "cp0", 0.0, replica_version=3)
     latest = Publisher("cp1", clock=lambda: 0.0).publish(table(9, "e9"))
-    assert unknown_why(p, {"cp0": {"id": "cp0"}}, latest, 60.0, {"cp0": 600.0}) == ""
+    state = table_state(p, {"cp0": {"id": "cp0"}}, latest, 60.0, {"cp0": 600.0})
+    assert state == ("", False)
 
 
 @pytest.mark.parametrize("skew_s", [-3600.0, -5.0, 0.0, 5.0, 3600.0])
