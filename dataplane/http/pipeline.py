@@ -294,7 +294,9 @@ class Exchange:
         # (counted in a summed usage when the stream has one) and hedges (never).
         self.continuation_prompt: int = 0
         self.hedge_prompt: int = 0  # the hedges' prompts, by the estimate
-        self.hedge_calls: int = 0  # cancelled hedges: sent the winner's prompt
+        # Cancelled hedges: sent the prompt of the call that answered, or of
+        # the one under way beside them when the client left.
+        self.hedge_calls: int = 0
         self.continued: int = 0  # continuations of a cut stream
         # A Responses follow-up of a response an origin stored for the caller
         # (`Pipeline.pin`): that origin, the only one it goes to, and the
@@ -836,10 +838,6 @@ class Pipeline:
                 origin = await self.forward(ex, self.hedge_for(ex))
             if ex.trace is not None:
                 ex.trace.answered(origin)
-            if origin.extra_calls:
-                # A cancelled hedge still cost its origin the prompt's prefill.
-                ex.hedge_prompt = ex.estimate * origin.extra_calls
-                ex.hedge_calls = origin.extra_calls
             if origin.streamed and origin.status < 400 and plan.leader is not None:
                 return await self.lead(request, ex, origin, plan)
             try:
@@ -985,12 +983,22 @@ class Pipeline:
         except asyncio.CancelledError:
             # Its client left (a 499) after calls were sent: they are in its record.
             ex.attempts = sent.calls
+            if sent.open > 1:
+                # A hedge under way beside the first call: each copy was sent
+                # the prompt, and each is charged it (`_settle`).
+                ex.hedge_calls = sent.open - 1
+                ex.hedge_prompt = ex.estimate * ex.hedge_calls
             if sent.target is not None:
                 ex.origin, ex.region = sent.target.name, sent.target.region
             raise
         ex.origin, ex.region = answer.target.name, answer.target.region
         ex.origin_request_id = origin_request_id(answer.headers, ex.request_id)
         ex.attempts = answer.calls
+        if answer.extra_calls:
+            # A cancelled hedge still cost its origin the prompt's prefill,
+            # charged however the request ends from here.
+            ex.hedge_prompt = ex.estimate * answer.extra_calls
+            ex.hedge_calls = answer.extra_calls
         ex.hedged = answer.hedged
         if answer.hedged:
             ex.route = "hedge"  # the chosen origin was slower than the next one
@@ -1531,9 +1539,13 @@ class Pipeline:
             # (review 424: a region's follower kept it, shown nowhere).
             usage = Usage(0, 0)
         if ex.admission is not None:
-            # None keeps the estimate, and teaches the budgets nothing of the
-            # completions to expect (a count would: one of 0 here).
-            ex.admission.release(usage.total if usage is not None else None, time.monotonic())
+            # None keeps the estimate (and the hedges' beside it), and teaches
+            # the budgets nothing of the completions to expect (a count
+            # would: one of 0 here).
+            if usage is not None:
+                ex.admission.release(usage.total, time.monotonic())
+            else:
+                ex.admission.release(None, time.monotonic(), ex.hedge_prompt)
         if usage is None:
             # No count, though an origin call began (a whole answer without
             # `usage`, or a client that left before any answer: a phone's
@@ -1543,8 +1555,8 @@ class Pipeline:
             # access log show it, as the proxy's (trial 98: 3 timed-out
             # retries of a long prompt took 15,024 tokens of the day's budget
             # that neither saw; billing trial 76: what is charged is what
-            # they show).
-            usage = Usage(ex.estimate, 0, exact=False)
+            # they show). So do its hedges' prompts: each copy was sent it.
+            usage = Usage(ex.estimate + ex.hedge_prompt, 0, exact=False)
         ex.usage = usage
         self.metrics.account_tokens(ex.principal.tenant, ex.principal.key_id, usage)
         if own is not None and own.cached_tokens is not None and ex.origin and not ex.continued:

@@ -158,8 +158,11 @@ class Continuations:
             )
         except asyncio.CancelledError:
             # Its client left while the continuation was being sent: the call
-            # is among the request's attempts all the same (the origin saw it).
+            # is among the request's attempts all the same (the origin saw
+            # it), and is charged the prompt it was sent, as one that took
+            # over is (none when no call had begun).
             self.calls += sent.calls
+            self.extra_prompt += (ex.estimate + state.tokens) * sent.open
             raise
         except ApiError as exc:
             self.calls += exc.attempts

@@ -517,19 +517,23 @@ class Admission:
         (a refusal's wait is above 0, so at least "1ms")."""
         return format_duration(self.retry_after_s)
 
-    def release(self, actual_tokens: int | None, now: float) -> None:
-        """Free the slots and settle tokens: charge `actual_tokens - est_tokens`.
+    def release(self, actual_tokens: int | None, now: float, prompts: int = 0) -> None:
+        """Free the slots and settle tokens: charge `actual_tokens - est_tokens`,
+        plus `prompts`.
 
         `actual_tokens` is the request's real prompt + completion count (the
         origin's `usage`, or for a stream without it an estimate from the
-        streamed text); None keeps the estimate. A charge above the estimate may
+        streamed text); None keeps the estimate, and with it `prompts` more:
+        the estimated prompts of other calls that gave no count (a hedge's
+        copy under way when its client left), charged as the estimate is and,
+        as it, never learned as a completion. A charge above the estimate may
         leave buckets in debt, which delays later requests: that is how
         completion tokens are paid for. Idempotent; a no-op when refused.
         """
         if not self._open:
             return
         self._open = False
-        delta = 0 if actual_tokens is None else actual_tokens - self.est_tokens
+        delta = prompts if actual_tokens is None else actual_tokens - self.est_tokens
         if self._reserved is not None:
             self._settle_budgets(actual_tokens, delta)
         for st in self._scopes:

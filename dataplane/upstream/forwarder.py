@@ -511,10 +511,14 @@ class _StreamOptionsRefused(Exception):
 class Sent:
     """What `Forwarder.forward` had sent when it was cancelled (its client
     left, or the proxy stopped) before an origin answered: the calls made and
-    the origin of the last, for the request's record."""
+    the origin of the last, for the request's record; and of those, the ones
+    still under way (`open`: not failed, so each may have cost its origin
+    the prompt's prefill): 1, or 2 when a hedge ran beside the first call;
+    0 when none had begun."""
 
     calls: int = 0
     target: Target | None = None
+    open: int = 0
 
 
 class Forwarder:
@@ -799,7 +803,7 @@ class Forwarder:
                     )
                     if delay is not None:
                         answer = await self._race(
-                            ordered, float(delay), path, body, headers, stream, tries, trace
+                            ordered, float(delay), path, body, headers, stream, tries, trace, sent
                         )
             ended = tries.past_deadline or tries.too_large
             if answer is None and not ended:
@@ -862,6 +866,8 @@ class Forwarder:
         except asyncio.CancelledError:
             if sent is not None and tries.made:
                 sent.calls, sent.target = tries.made, ordered[tries.made - 1]
+                # One call at a time but in a race, which says its own.
+                sent.open = sent.open or 1
             raise
         failures = tries.failures
         if answer is not None and answer.status < 400:
@@ -944,6 +950,7 @@ class Forwarder:
         stream: bool,
         tries: _Tries,
         trace: RequestTrace | None,
+        sent: Sent | None = None,
     ) -> OriginAnswer | None:
         """The first attempt on ordered[0], hedged on ordered[1] after `delay`.
 
@@ -951,6 +958,7 @@ class Forwarder:
         failed (`tries` records them, and whether the deadline passed). Every
         other attempt has ended (cancelled, or released if committed) when it
         returns or raises, so the LoadBoard holds only the winner's request.
+        Cancelled, it sets `sent.open` to the attempts then under way.
         """
         loop = asyncio.get_running_loop()
         metrics = self._metrics
@@ -1015,10 +1023,12 @@ class Forwarder:
         except asyncio.CancelledError:
             for target in running.values():
                 metrics.attempt(target.name, "cancelled").inc()
+            if sent is not None:
+                sent.open = len(running)
             raise
         finally:
             extra = await self._end_others(
-                targets, first, winner, answer, stream, sent_at, trace, len(body)
+                targets, first, winner, answer, stream, sent_at, trace, len(body), sent
             )
         if answer is None:
             return None
@@ -1058,9 +1068,12 @@ class Forwarder:
         sent_at: float,
         trace: RequestTrace | None,
         body_bytes: int,
+        sent: Sent | None = None,
     ) -> int:
         """End every attempt of a race but the winner; return how many were sent
         and then cancelled (or released) because the winner answered first.
+        Cancelled while it waits for them, it sets `sent.open` to the winner
+        and the attempts it was ending.
 
         Runs however the race ended. A cancelled attempt closes its own
         connection and ends its LoadBoard count (`_attempt`); one that had
@@ -1087,8 +1100,11 @@ class Forwarder:
                 answer.release()
             for task in cancelled:
                 task.add_done_callback(_release_late)
-            for task in (*cancelled, *([winner] if winner is not None else [])):
+            ended = (*cancelled, *([winner] if winner is not None else []))
+            for task in ended:
                 self._metrics.attempt(targets[task].name, "cancelled").inc()
+            if sent is not None:
+                sent.open = len(ended)
             raise
         extra = 0
         for task in others:

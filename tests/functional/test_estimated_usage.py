@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from dataplane.http.state import ACCESS_LOG, METRICS, PIPELINE
 from dataplane.ratelimit.tokens import estimate_prompt_tokens
 from ponto.v1 import routing_pb2 as pb
-from tests.functional.test_continuation import Origin, Proxy, event, proxy, sse
+from tests.functional.test_continuation import Handler, Origin, Proxy, event, proxy, sse
 from tests.functional.test_stream_usage import DONE, FRAMES, request
 from tests.functional.test_tracing import last_tree, tracing
 from tests.functional.test_whole_answers import until
@@ -45,6 +45,28 @@ def streams(usage: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse
         return out
 
     return answer
+
+
+async def no_usage(request: web.Request) -> web.StreamResponse:
+    """A whole chat answer without `usage`."""
+    message = {"role": "assistant", "content": "twelve"}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return web.json_response({"id": "w", "object": "chat.completion", "choices": [choice]})
+
+
+def first_hangs(answer: Handler) -> Handler:
+    """An origin's handler whose first call (hedge or not) waits until the
+    proxy ends it, and which answers every other with `answer`."""
+    calls = 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.Event().wait()
+        return await answer(request)
+
+    return handle
 
 
 async def line_of(p: Proxy, capfd: pytest.CaptureFixture[str], raw: bytes) -> dict[str, Any]:
@@ -100,17 +122,11 @@ async def test_a_hedge_that_lost_is_charged_the_winners_prompt(
 ) -> None:
     """Billing trial 76: the loser was charged the prompt's estimate (14)
     though the winner's count (46) of the same prompt was known."""
-    calls = 0
-
-    async def first_hangs(request: web.Request) -> web.StreamResponse:
-        nonlocal calls
-        calls += 1
-        if calls == 1:  # the first call to arrive loses (hedge or not)
-            await asyncio.Event().wait()  # until the proxy ends the call
-        return await streams(True)(request)
-
+    # The first call to arrive loses (hedge or not); one handler for both
+    # origins, so either may be first.
+    hangs_once = first_hangs(streams(True))
     p = await proxy(
-        [(Origin(first_hangs), True), (Origin(first_hangs), True)],
+        [(Origin(hangs_once), True), (Origin(hangs_once), True)],
         pb.StreamPolicy(hedge_ms=1),  # the hedge goes once the first call is sent
         extra=["--access-log=on"],
     )
@@ -147,12 +163,6 @@ async def test_a_whole_answer_without_usage_is_shown_at_the_estimate_it_is_charg
     """No count: the limits and budgets keep the prompt's estimate
     (Admission.release(None)), and the access line and the metrics show it,
     the proxy's (trial 98: they showed nothing, the budget the estimate)."""
-
-    async def no_usage(request: web.Request) -> web.StreamResponse:
-        message = {"role": "assistant", "content": "twelve"}
-        choice = {"index": 0, "message": message, "finish_reason": "stop"}
-        return web.json_response({"id": "w", "object": "chat.completion", "choices": [choice]})
-
     p = await proxy([(Origin(no_usage), True)], extra=["--access-log=on"])
     raw = request(stream=False)
     line = await line_of(p, capfd, raw)
@@ -162,3 +172,25 @@ async def test_a_whole_answer_without_usage_is_shown_at_the_estimate_it_is_charg
     assert line["tokens_estimated"] is True
     tokens = accounted(p, "ponto_tenant_tokens_total")
     assert tokens == accounted(p, "ponto_tenant_estimated_tokens_total") == (estimate, None)
+
+
+async def test_a_whole_answer_without_usage_whose_hedge_lost_is_charged_both_prompts(
+    proxy: Callable[..., Awaitable[Proxy]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """No count of the winner's: each call is charged the prompt's
+    estimate, the cancelled hedge's too (it was dropped with the count
+    that was not there: one estimate charged for two prompts sent)."""
+    hangs_once = first_hangs(no_usage)
+    p = await proxy(
+        [(Origin(hangs_once), True), (Origin(hangs_once), True)],
+        pb.StreamPolicy(hedge_ms=1),
+        extra=["--access-log=on"],
+    )
+    raw = request(stream=False)
+    line = await line_of(p, capfd, raw)
+    estimate = estimate_prompt_tokens("chat.completions", json.loads(raw))
+    assert line["attempts"] == 2
+    assert (line["input_tokens"], line["output_tokens"]) == (2 * estimate, 0)
+    assert line["tokens_estimated"] is True
+    tokens = accounted(p, "ponto_tenant_tokens_total")
+    assert tokens == accounted(p, "ponto_tenant_estimated_tokens_total") == (2 * estimate, None)

@@ -547,6 +547,22 @@ async def test_cancelling_forward_says_what_was_sent(rigs: RigMaker) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sent.calls == 2 and sent.target is not None and sent.target.name == "o2"
+    assert sent.open == 2  # both under way: each is charged its prompt
+
+
+async def test_a_failed_call_is_not_under_way_when_forward_is_cancelled(rigs: RigMaker) -> None:
+    """The first attempt failed (a 500: no answer is charged for); the
+    hedge, under way, is the one call `sent.open` counts."""
+    rig = await rigs(Behaviour(delay=0.1, status=500), Behaviour(delay=SLOW))
+    sent = Sent()
+    task = asyncio.create_task(rig.forward(hedge=SHORT, sent=sent))
+    async with asyncio.timeout(5):
+        while rig.attempts("o1", "http_5xx") == 0:
+            await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (sent.calls, sent.open) == (2, 1)
 
 
 async def test_one_candidate_means_no_hedge(rigs: RigMaker) -> None:
