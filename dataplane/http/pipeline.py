@@ -897,7 +897,14 @@ class Pipeline:
         except BaseException:
             held.abandon()
             raise
-        ex.held = await held.stop()
+        try:
+            ex.held = await held.stop()
+        except BaseException:
+            # Its client left (or the proxy stopped) while the comments
+            # ended: nothing else holds the answer the forward opened, whose
+            # connection and the tenant's place at its origin it keeps.
+            origin.release()
+            raise
         return origin
 
     @staticmethod

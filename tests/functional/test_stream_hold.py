@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dataplane.http.hold import KEEP_ALIVE
+from dataplane.http.hold import KEEP_ALIVE, HeldHead
 from dataplane.http.reply import NOT_A_STREAM
 from dataplane.http.state import ACCESS_LOG, DRAINING, METRICS, PIPELINE
 from tests.functional.edgestack import serve_on_edge
@@ -377,3 +377,47 @@ async def test_a_held_stream_the_stop_cancels_ends_with_the_stopping_event(
     finally:
         await served.runner.cleanup()
         await origin.close()
+
+
+async def test_a_client_leaving_as_the_comments_end_lets_its_origins_answer_go(
+    proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The origin's first event came, and the client left while the held
+    head's comments were being stopped: the answer the forward had opened
+    was never released (its origin's count of calls under way, and the
+    tenant's place in its connections, kept for good)."""
+    stopping = asyncio.Event()
+    stop = HeldHead.stop
+    calls = 0
+
+    async def slow_stop(self: HeldHead) -> web.StreamResponse | None:
+        nonlocal calls
+        calls += 1
+        out = await stop(self)
+        if calls == 1:  # the stop after the origin's answer: the client leaves here
+            stopping.set()
+            await asyncio.Event().wait()
+        return out
+
+    monkeypatch.setattr(HeldHead, "stop", slow_stop)
+
+    async def answers(request: web.Request) -> web.StreamResponse:
+        out = await sse(request)
+        await out.write(HI_AND_DONE[: HI_AND_DONE.index(b"data: [DONE]")])
+        await asyncio.Event().wait()  # until the proxy ends the call
+        return out
+
+    p = await proxy([(Origin(answers), True)], extra=HOLD_AT_ONCE)
+    resp = await p.client.post("/v1/chat/completions", json=ASK)
+    assert resp.status == 200  # the head, held at once
+    async with asyncio.timeout(10):
+        await stopping.wait()
+    loads = p.app[PIPELINE].forwarder.loads
+    assert loads.outstanding("o0") == 1
+    resp.close()  # the client leaves
+    registry = p.app[METRICS].registry
+    gone = {"endpoint": "chat.completions", "code": "499"}
+    async with asyncio.timeout(10):
+        while registry.get_sample_value("ponto_requests_total", gone) != 1:
+            await asyncio.sleep(0.01)
+    assert loads.outstanding("o0") == 0
