@@ -7,6 +7,12 @@ home region) is precomputed, so per request only a weighted shuffle among
 equally near origins remains. The one exception is a located client whose home
 region cannot serve it (`Routes.groups_for`): its regions are reordered from
 the client's own point, once per point and model.
+
+Spilling (regions past their spill threshold go last) follows the origins'
+loads, which come apart from tables (dataplane.placement.load), about twice a
+second: `Routes.spilled` gives the same table's Routes for the loads held,
+its orders made once per set of hot regions, so a move of load costs neither
+a table nor any request anything (docs/routing.md, "Spill").
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from yarl import URL
@@ -23,7 +29,7 @@ from yarl import URL
 from dataplane.assemble import TOKEN_FIELDS, table_token_field
 from dataplane.upstream.credentials import CredentialError, OriginCredentials
 from dataplane.upstream.responseids import MIN_KEY_BYTES, IdKeys, origin_tag
-from ponto.routetable import content_etag
+from ponto.routetable import content_etag, counts_for_spill, is_hot, region_load
 from ponto.v1 import routing_pb2 as pb
 
 EARTH_RADIUS_KM = 6371.0
@@ -31,6 +37,14 @@ HOME_CACHE = 4096
 
 # A located client: (latitude, longitude) in WGS84 degrees.
 Point = tuple[float, float]
+
+# An origin's requests running and waiting as the leader's latest loads give
+# them; None when they lack it (LoadBoard.scraped_load).
+Scraped = Callable[[str], float | None]
+
+# The orders of one table kept, each for a set of hot regions (Regions.order):
+# loads rarely cross thresholds, and a fleet has few such sets in turn.
+ORDERS_KEPT = 64
 
 
 class TableError(ValueError):
@@ -95,8 +109,8 @@ class Routes:
 
     order[home][model] lists candidate origin groups for clients whose nearest
     region is `home`: nearest usable region first, regions over their spill
-    threshold after all others. Origins within a group are equally near and
-    split traffic by weight.
+    threshold (`hot`, by the loads `spilled` was given) after all others.
+    Origins within a group are equally near and split traffic by weight.
 
     Its caches are filled by the requests that read it, without a lock: use
     it from one event loop.
@@ -108,7 +122,8 @@ class Routes:
     models: tuple[str, ...]
     order: dict[str, dict[str, Groups]]
     coords: tuple[tuple[str, float, float], ...]  # (region, lat, lon) for homing
-    # The table's regions, and those whose load is over their spill threshold.
+    # The table's regions, and those whose load is over their spill
+    # threshold by the loads `spilled` was last given.
     known: frozenset[str] = frozenset()
     hot: frozenset[str] = frozenset()
     # Models routed to unhealthy origins because none of theirs is healthy
@@ -144,6 +159,23 @@ class Routes:
     # The groups of (point, model) reordered from the point, for clients whose
     # home cannot serve them (groups_for); bounded by HOME_CACHE like _homes.
     _near: dict[tuple[Point, str], Groups] = field(default_factory=dict, compare=False)
+    # What `spilled` reads and makes of the table (None: a Routes built by
+    # hand, which never spills).
+    _regions: Regions | None = field(default=None, compare=False, repr=False)
+
+    def spilled(self, scraped: Scraped) -> Routes:
+        """These routes as the origins' loads `scraped` have them: self when
+        they make the same regions hot, else the same table's Routes with its
+        hot regions last in every order (sharing this one's homes). Called
+        when a table is installed and when loads come or expire, never per
+        request; the orders are made once per set of hot regions."""
+        regions = self._regions
+        if regions is None:
+            return self
+        hot = regions.hot(scraped)
+        if hot == self.hot:
+            return self
+        return replace(self, order=regions.order(hot), hot=hot, _near={})
 
     def region_problem(self) -> str:
         """What is wrong with the proxy's own region, as this table sees it:
@@ -346,8 +378,10 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
 
     Regions are ordered from each home by the RTT matrix when every region
     has one, else by great-circle distance (home first). Drained regions,
-    drained origins and unhealthy origins are left out; regions whose load is
-    over their spill threshold go after all the others.
+    drained origins and unhealthy origins are left out. No region is hot:
+    `Routes.spilled` puts those the origins' pushed loads make hot after all
+    the others (a region's load in the table, which older control planes
+    wrote, is not read).
 
     Panic routing (Envoy's healthy-panic threshold at its limit): a model none of
     whose usable origins is healthy is routed to its unhealthy ones that are not
@@ -386,39 +420,38 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         r = regions[other]
         return great_circle_km(home.latitude, home.longitude, r.latitude, r.longitude)
 
-    def hot(region: str) -> bool:
-        r = regions[region]
-        return r.spill_threshold > 0 and r.load >= r.spill_threshold
-
-    order: dict[str, dict[str, Groups]] = {}
     homes = list(table.regions)
     if proxy_region not in regions:  # a proxy outside every region: order by name
         homes.append(pb.Region(name=proxy_region))
-    for home in homes:
-        known_home = home.name in regions
-
-        # Each region's place from this home, worked out once: a table's
-        # models each sort their regions by it, and working it out per model
-        # cost about a second per table of 300 origins in 25 regions serving
-        # 120 models (trial 83), on every proxy at every change.
-        rank = {
-            name: (hot(name), cost(home, name) if known_home else 0.0, name) for name in regions
-        }
-        order[home.name] = {
-            model: tuple(tuple(per_region[r]) for r in sorted(per_region, key=rank.__getitem__))
+    plan = Regions(
+        costs={
+            home.name: {name: cost(home, name) if home.name in regions else 0.0 for name in regions}
+            for home in homes
+        },
+        by_model={
+            model: {region: tuple(group) for region, group in per_region.items()}
             for model, per_region in by_model.items()
-        }
-        for model in all_models:
-            order[home.name].setdefault(model, ())
+        },
+        models=frozenset(all_models),
+        thresholds={r.name: r.spill_threshold for r in table.regions if r.spill_threshold > 0},
+        counted={
+            r.name: tuple(
+                (o.name, o.capacity)
+                for o in table.origins
+                if o.region == r.name and counts_for_spill(o)
+            )
+            for r in table.regions
+            if r.spill_threshold > 0
+        },
+    )
     return Routes(
         version=table.version,
         etag=table.etag,
         region=proxy_region,
         models=tuple(sorted(all_models)),
-        order=order,
+        order=plan.order(frozenset()),
         coords=tuple((r.name, r.latitude, r.longitude) for r in table.regions),
         known=frozenset(regions),
-        hot=frozenset(r.name for r in table.regions if hot(r.name)),
         panic=panic,
         unhealthy=frozenset(
             o.name for o in table.origins if not o.healthy and panic.isdisjoint(o.models)
@@ -429,7 +462,63 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         stored_on={t.tag: t for t in targets},
         unhealthy_stores={origin_tag(o.name): frozenset(o.models) for o in unhealthy},
         id_keys=IdKeys(table.response_id_keys) if table.response_id_keys else None,
+        _regions=plan,
     )
+
+
+@dataclass(slots=True)
+class Regions:
+    """What spilling needs of one table, made with its Routes: where each
+    region stands from each home, the groups of each model by region, and
+    which origins count for the load of each region that may spill. Owned by
+    the table's Routes (and those `Routes.spilled` makes of it); one event
+    loop, no lock."""
+
+    # home -> region -> its cost from home (-1 for home itself).
+    costs: dict[str, dict[str, float]]
+    # model -> region -> the origins of that region serving the model.
+    by_model: dict[str, dict[str, tuple[Target, ...]]]
+    models: frozenset[str]
+    # region -> its spill threshold, for the regions that may spill.
+    thresholds: dict[str, float]
+    # region -> (origin, capacity) of its origins that count_for_spill.
+    counted: dict[str, tuple[tuple[str, int], ...]]
+    # hot regions -> the per-home orders made for them (ORDERS_KEPT at most).
+    orders: dict[frozenset[str], dict[str, dict[str, Groups]]] = field(default_factory=dict)
+
+    def hot(self, scraped: Scraped) -> frozenset[str]:
+        """The regions past their spill threshold by the loads `scraped`
+        (ponto.routetable.region_load: the rules the control plane's status
+        shows too)."""
+        return frozenset(
+            region
+            for region, threshold in self.thresholds.items()
+            if is_hot(region_load((cap, scraped(o)) for o, cap in self.counted[region]), threshold)
+        )
+
+    def order(self, hot: frozenset[str]) -> dict[str, dict[str, Groups]]:
+        """Routes.order with the `hot` regions after all others, from each
+        home (then by cost, then by name), made once per set of hot regions."""
+        made = self.orders.get(hot)
+        if made is not None:
+            return made
+        if len(self.orders) >= ORDERS_KEPT:
+            self.orders.clear()
+        made = self.orders[hot] = {}
+        for home, costs in self.costs.items():
+            # Each region's place from this home, worked out once: a table's
+            # models each sort their regions by it, and working it out per
+            # model cost about a second per table of 300 origins in 25
+            # regions serving 120 models (trial 83), on every proxy at every
+            # change.
+            rank = {name: (name in hot, cost, name) for name, cost in costs.items()}
+            per_model = made[home] = {
+                model: tuple(per_region[r] for r in sorted(per_region, key=rank.__getitem__))
+                for model, per_region in self.by_model.items()
+            }
+            for model in self.models:
+                per_model.setdefault(model, ())
+        return made
 
 
 def _add_target(

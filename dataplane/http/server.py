@@ -133,9 +133,16 @@ class Proxy:
         self.key_sets = key_sets = KeySets(
             jwks_fetch, read_remote_jwks, on_close=jwks_fetch.close, state_dir=settings.state_dir
         )
+        self.loads = LoadBoard()
         self.holder = holder = TableHolder(
-            settings.region, settings.state_dir, defaults, key_sets=key_sets
+            settings.region,
+            settings.state_dir,
+            defaults,
+            key_sets=key_sets,
+            scraped=self.loads.scraped_load,
         )
+        # Spilling between regions follows the loads pushed, not tables.
+        self.loads.on_change.append(holder.loads_changed)
         holder.on_apply.append(
             lambda routes, policy: key_sets.track(policy.authenticator.jwks_urls)
         )
@@ -155,7 +162,6 @@ class Proxy:
             siblings=layout_siblings(settings.name, place, settings.workers),
         )
         self.draining = Draining()
-        self.loads = LoadBoard()
         self.local_store = local = ExactStore(max_bytes=settings.cache_max_bytes, clock=time.time)
         # Built with the semantic index (the model loads when a tenant first asks
         # for semantic caching); the local store keeps to one bound with it.

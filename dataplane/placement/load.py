@@ -44,6 +44,9 @@ class LoadBoard:
         self.generation = 0
         self.scraped_at = 0.0
         self._expiry: asyncio.TimerHandle | None = None
+        # Called once the scraped figures changed (a push taken, or their
+        # expiry): the table holder's spilling (TableHolder.loads_changed).
+        self.on_change: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ updates
 
@@ -64,6 +67,7 @@ class LoadBoard:
         self._base = {name: s.running + s.waiting for name, s in self._scraped.items()}
         self._own_at_scrape = dict(self._own)
         self._expire_later()
+        self._changed()
         return True
 
     def expire(self) -> None:
@@ -71,6 +75,11 @@ class LoadBoard:
         self._scraped = {}
         self._base = {}
         self._own_at_scrape = {}
+        self._changed()
+
+    def _changed(self) -> None:
+        for hook in self.on_change:
+            hook()
 
     def _expire_later(self) -> None:
         if self._expiry is not None:
@@ -102,6 +111,13 @@ class LoadBoard:
         if base is None:
             return float(own)
         return max(float(own), base + own - self._own_at_scrape.get(origin, 0))
+
+    def scraped_load(self, origin: str) -> float | None:
+        """The origin's running and waiting requests as the latest push gave
+        them, without this proxy's own since; None when it lacks them (not
+        scraped, or the figures expired). What spilling reads (routes.Scraped):
+        every proxy holds the same, so every proxy spills alike."""
+        return self._base.get(origin)
 
     def outstanding(self, origin: str) -> int:
         """This proxy's own requests in flight to origin."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dataplane.auth.remote import KeySets
 from dataplane.policy import CacheDefaults, EdgePolicy, build_policy
-from dataplane.routes import Routes, TableError, build_routes
+from dataplane.routes import Routes, Scraped, TableError, build_routes
 from ponto.v1 import routing_pb2 as pb
 from ponto.writefile import state_writer
 
@@ -95,8 +95,12 @@ class TableHolder:
         state_dir: Path | None,
         cache_defaults: CacheDefaults | None = None,
         key_sets: KeySets | None = None,
+        scraped: Scraped = lambda origin: None,
     ) -> None:
+        """`scraped`: the origins' loads that spilling goes by
+        (LoadBoard.scraped_load); call `loads_changed` when they change."""
         self.region = region
+        self._scraped = scraped
         # The key sets of JWKS URLs the tables name (dataplane.auth.remote).
         self.key_sets = key_sets
         self.state_dir = state_dir
@@ -169,12 +173,12 @@ class TableHolder:
             # Same content: only ever move the version forward, so the stale
             # check keeps comparing against the newest version seen.
             if table.version > current.version:
-                self.routes = build_routes(table, self.region)
+                self.routes = build_routes(table, self.region).spilled(self._scraped)
             self.source = source
             if self.apply_failures and self.routes is not None and self.policy is not None:
                 self._run_hooks(self.routes, self.policy)  # another try for what failed
             return False
-        routes = build_routes(table, self.region)
+        routes = build_routes(table, self.region).spilled(self._scraped)
         policy = build_policy(table, self.cache_defaults, self.key_sets)
         self.routes = routes
         self.policy = policy
@@ -233,6 +237,21 @@ class TableHolder:
         if source == "control-plane":
             self._save(table)
         return True
+
+    def loads_changed(self) -> None:
+        """Spill by the origins' loads as they are now: the same table's
+        Routes, with the regions now past their spill threshold last, replace
+        the served one when those regions changed (no table is built, no hook
+        runs: what the table says is the same). Requests read either Routes
+        whole, as with a new table."""
+        routes = self.routes
+        if routes is None:
+            return
+        spilled = routes.spilled(self._scraped)
+        if spilled is not routes:
+            # DEBUG: a load near a threshold may cross it at every push.
+            log.debug("regions past their spill threshold: %s", sorted(spilled.hot) or "none")
+            self.routes = spilled
 
     def _refused(self, refused: TableRefused, table: pb.RouteTable) -> None:
         """Count a refusal of the guard, and log it at ERROR the first time

@@ -459,7 +459,7 @@ class Flight:
 
 @pytest.fixture
 async def flight() -> AsyncIterator[Flight]:
-    table = two_region_table(hot=False, home_healthy=True)
+    table = two_region_table(home_healthy=True)
     coalescer = Coalescer()
     leader = coalescer.join("k")
     assert isinstance(leader, Leader)

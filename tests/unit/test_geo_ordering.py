@@ -17,6 +17,7 @@ US = ("us-east", 39.0, -77.0)  # Virginia
 EU = ("eu-west", 53.0, -6.0)  # Dublin
 AP = ("ap-southeast", 1.35, 103.8)  # Singapore
 MODEL = "llama-3"
+CAPACITY = 100
 
 NEW_YORK = (40.71, -74.01)
 LONDON = (51.51, -0.13)
@@ -27,7 +28,6 @@ SYDNEY = (-33.87, 151.21)  # homed in Singapore; Virginia is nearer it than Dubl
 def region(
     spec: tuple[str, float, float],
     *,
-    load: float = 0.0,
     spill_threshold: float = 0.0,
     rtt_ms: dict[str, float] | None = None,
     drained: bool = False,
@@ -37,7 +37,6 @@ def region(
         name=name,
         latitude=lat,
         longitude=lon,
-        load=load,
         spill_threshold=spill_threshold,
         rtt_ms=rtt_ms or {},
         drained=drained,
@@ -52,6 +51,7 @@ def origin(name: str, region_name: str, *, weight: int = 100) -> pb.Origin:
         models=[MODEL],
         weight=weight,
         healthy=True,
+        capacity=CAPACITY,
     )
 
 
@@ -69,6 +69,12 @@ def make_table(
     table = pb.RouteTable(version=3, regions=regions, origins=origins)
     table.etag = content_etag(table)
     return table
+
+
+def spilled(table: pb.RouteTable, proxy_region: str, loads: dict[str, float]) -> Routes:
+    """build_routes, then spilled by the origins' loads pushed (`loads`:
+    origin -> running and waiting requests, of CAPACITY each)."""
+    return build_routes(table, proxy_region).spilled(loads.get)
 
 
 def regions_of(targets: list[Target]) -> list[str]:
@@ -209,8 +215,8 @@ def test_a_home_without_the_model_sends_the_client_to_its_nearest_that_has_it() 
 
 
 def test_a_hot_home_spills_to_the_clients_nearest_and_stays_last() -> None:
-    table = make_table(regions=[region(US), region(EU), region(AP, load=0.9, spill_threshold=0.8)])
-    routes = build_routes(table, "eu-west")
+    table = make_table(regions=[region(US), region(EU), region(AP, spill_threshold=0.8)])
+    routes = spilled(table, "eu-west", {"o-ap": 90})
     assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
         "us-east",
         "eu-west",
@@ -220,9 +226,9 @@ def test_a_hot_home_spills_to_the_clients_nearest_and_stays_last() -> None:
 
 def test_regions_over_their_threshold_stay_after_the_others_from_the_point() -> None:
     table = make_table(
-        regions=[region(US, load=0.9, spill_threshold=0.8), region(EU), region(AP, drained=True)]
+        regions=[region(US, spill_threshold=0.8), region(EU), region(AP, drained=True)]
     )
-    routes = build_routes(table, "eu-west")
+    routes = spilled(table, "eu-west", {"o-us": 90})
     assert regions_of(routes.candidates(MODEL, "ap-southeast", point=SYDNEY)) == [
         "eu-west",
         "us-east",
@@ -280,8 +286,8 @@ def test_the_order_from_a_point_is_cached_and_bounded() -> None:
 
 
 def test_hot_region_goes_after_all_others_but_stays() -> None:
-    table = make_table(regions=[region(US, load=0.9, spill_threshold=0.8), region(EU), region(AP)])
-    routes = build_routes(table, "eu-west")
+    table = make_table(regions=[region(US, spill_threshold=0.8), region(EU), region(AP)])
+    routes = spilled(table, "eu-west", {"o-us": 90})
     assert regions_of(routes.candidates(MODEL, "us-east")) == [
         "eu-west",
         "ap-southeast",
@@ -300,8 +306,8 @@ def test_hot_region_goes_after_all_others_but_stays() -> None:
 
 
 def test_load_equal_to_threshold_spills() -> None:
-    table = make_table(regions=[region(US, load=0.8, spill_threshold=0.8), region(EU), region(AP)])
-    routes = build_routes(table, "us-east")
+    table = make_table(regions=[region(US, spill_threshold=0.8), region(EU), region(AP)])
+    routes = spilled(table, "us-east", {"o-us": 80})
     assert regions_of(routes.candidates(MODEL, "us-east")) == [
         "eu-west",
         "ap-southeast",
@@ -310,26 +316,26 @@ def test_load_equal_to_threshold_spills() -> None:
 
 
 def test_load_below_threshold_does_not_spill() -> None:
-    table = make_table(regions=[region(US, load=0.79, spill_threshold=0.8), region(EU), region(AP)])
-    routes = build_routes(table, "us-east")
+    table = make_table(regions=[region(US, spill_threshold=0.8), region(EU), region(AP)])
+    routes = spilled(table, "us-east", {"o-us": 79})
     assert regions_of(routes.candidates(MODEL, "us-east"))[0] == "us-east"
 
 
 def test_zero_threshold_never_spills() -> None:
-    table = make_table(regions=[region(US, load=5.0), region(EU), region(AP)])
-    routes = build_routes(table, "us-east")
+    table = make_table(regions=[region(US), region(EU), region(AP)])
+    routes = spilled(table, "us-east", {"o-us": 500})
     assert regions_of(routes.candidates(MODEL, "us-east"))[0] == "us-east"
 
 
 def test_several_hot_regions_keep_their_distance_order_at_the_end() -> None:
     table = make_table(
         regions=[
-            region(US, load=1.0, spill_threshold=0.8),
-            region(EU, load=0.95, spill_threshold=0.9),
+            region(US, spill_threshold=0.8),
+            region(EU, spill_threshold=0.9),
             region(AP),
         ]
     )
-    routes = build_routes(table, "eu-west")
+    routes = spilled(table, "eu-west", {"o-us": 100, "o-eu": 95})
     assert regions_of(routes.candidates(MODEL, "eu-west")) == [
         "ap-southeast",
         "eu-west",
@@ -343,10 +349,8 @@ def test_several_hot_regions_keep_their_distance_order_at_the_end() -> None:
 
 
 def test_all_hot_is_plain_distance_order() -> None:
-    table = make_table(
-        regions=[region(spec, load=0.9, spill_threshold=0.8) for spec in (US, EU, AP)]
-    )
-    routes = build_routes(table, "eu-west")
+    table = make_table(regions=[region(spec, spill_threshold=0.8) for spec in (US, EU, AP)])
+    routes = spilled(table, "eu-west", {"o-us": 90, "o-eu": 90, "o-ap": 90})
     assert regions_of(routes.candidates(MODEL, "ap-southeast")) == [
         "ap-southeast",
         "eu-west",
@@ -354,23 +358,25 @@ def test_all_hot_is_plain_distance_order() -> None:
     ]
 
 
-def test_compiled_load_spills_at_the_proxy() -> None:
-    """Control-plane load (compile_table) drives data-plane order (build_routes)."""
+def test_a_compiled_table_spills_by_the_loads_pushed_apart_from_it() -> None:
+    """What the control plane compiles (compile_table: capacity, health,
+    threshold) and the loads it pushes apart from tables drive the order."""
     regions = tuple(ModelRegion(n, lat, lon) for n, lat, lon in (US, EU, AP))
     origins = tuple(
         Origin(f"o-{n}", f"http://o-{n}.example/v1", n, (MODEL,), capacity=10)
         for n, _, _ in (US, EU, AP)
     )
     busy = {"o-us-east": OriginHealth("o-us-east", healthy=True, inflight=9)}
-    routes = build_routes(compile_table(State(5, regions, origins, busy)), "us-east")
-    assert regions_of(routes.candidates(MODEL, "us-east")) == [
+    table = compile_table(State(5, regions, origins, busy))
+    routes = build_routes(table, "us-east")
+    assert regions_of(routes.spilled({"o-us-east": 9.0}.get).candidates(MODEL, "us-east")) == [
         "eu-west",
         "ap-southeast",
         "us-east",
     ]
-    calm = {"o-us-east": OriginHealth("o-us-east", healthy=True, inflight=7)}
-    routes = build_routes(compile_table(State(6, regions, origins, calm)), "us-east")
-    assert regions_of(routes.candidates(MODEL, "us-east"))[0] == "us-east"
+    assert regions_of(routes.spilled({"o-us-east": 7.0}.get).candidates(MODEL, "us-east"))[0] == (
+        "us-east"
+    )
 
 
 # ---------------------------------------------------------------- RTT
@@ -439,10 +445,10 @@ def test_spill_applies_on_top_of_rtt() -> None:
         regions=[
             region(US, rtt_ms=CONTRARY_RTT["us"]),
             region(EU, rtt_ms=CONTRARY_RTT["eu"]),
-            region(AP, rtt_ms=CONTRARY_RTT["ap"], load=0.9, spill_threshold=0.8),
+            region(AP, rtt_ms=CONTRARY_RTT["ap"], spill_threshold=0.8),
         ]
     )
-    routes = build_routes(table, "eu-west")
+    routes = spilled(table, "eu-west", {"o-ap": 90})
     assert regions_of(routes.candidates(MODEL, "us-east")) == [
         "us-east",
         "eu-west",
@@ -499,8 +505,8 @@ def test_proxy_region_not_in_table_orders_by_name() -> None:
 
 
 def test_proxy_region_not_in_table_still_spills() -> None:
-    table = make_table(regions=[region(US), region(EU), region(AP, load=0.9, spill_threshold=0.8)])
-    routes = build_routes(table, "sa-east")
+    table = make_table(regions=[region(US), region(EU), region(AP, spill_threshold=0.8)])
+    routes = spilled(table, "sa-east", {"o-ap": 90})
     assert regions_of(routes.candidates(MODEL)) == ["eu-west", "us-east", "ap-southeast"]
 
 

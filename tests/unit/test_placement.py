@@ -442,14 +442,13 @@ def test_own_requests_count_even_when_a_scrape_lags() -> None:
 
 def two_region_table(
     *,
-    hot: bool = False,
     home_healthy: bool = True,
     home_drained: bool = False,
     home_models: tuple[str, ...] = ("m",),
 ) -> pb.RouteTable:
+    """Regions near and far, two origins of capacity 10 each."""
     table = pb.RouteTable(version=1)
-    table.regions.add(name="near", latitude=0, longitude=0, load=0.9 if hot else 0.0)
-    table.regions[0].spill_threshold = 0.8
+    table.regions.add(name="near", latitude=0, longitude=0, spill_threshold=0.8)
     table.regions.add(name="far", latitude=0, longitude=90)
     for region, healthy in (("near", home_healthy), ("far", True)):
         for i in range(2):
@@ -461,6 +460,7 @@ def two_region_table(
                 weight=100,
                 healthy=healthy,
                 drained=home_drained and region == "near",
+                capacity=10,
             )
     table.etag = content_etag(table)
     return table
@@ -482,8 +482,11 @@ def two_region_table(
 def test_place_says_spill_failover_or_remote_when_the_home_region_is_passed_over(
     home: dict[str, Any], reason: str, region: str
 ) -> None:
-    table = two_region_table(**home)
-    routes, policy = build_routes(table, "near"), build_policy(table)
+    hot = home.get("hot", False)
+    table = two_region_table(**{k: v for k, v in home.items() if k != "hot"})
+    # Hot: the loads pushed put both near origins at 9 of their 10.
+    loads = {"near0": 9.0, "near1": 9.0} if hot else {}
+    routes, policy = build_routes(table, "near").spilled(loads.get), build_policy(table)
     headers = CIMultiDictProxy(CIMultiDict({"x-session-id": "s1"}))
     ex = Exchange(ENDPOINTS["chat.completions"], headers, None, "id", routes, policy)
     ex.tenant, ex.model = policy.tenant("default"), "m"

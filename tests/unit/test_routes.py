@@ -257,7 +257,9 @@ def test_regions_are_ranked_once_per_home_not_once_per_model(
     assert {tuple(region_order(routes, m)) for m in models} == {("eu-west", "us-east", "ap-south")}
 
 
-def _old_region_order(table: pb.RouteTable, home_name: str, present: set[str]) -> list[str]:
+def _old_region_order(
+    table: pb.RouteTable, home_name: str, present: set[str], hot_regions: frozenset[str]
+) -> list[str]:
     """The order build_routes gave a model's regions before its ranks were
     shared across models: each model sorted by (hot, cost from home, name),
     worked out for that model."""
@@ -267,7 +269,7 @@ def _old_region_order(table: pb.RouteTable, home_name: str, present: set[str]) -
 
     def key(name: str) -> tuple[bool, float, str]:
         r = regions[name]
-        hot = r.spill_threshold > 0 and r.load >= r.spill_threshold
+        hot = name in hot_regions
         if home is None:
             return (hot, 0.0, name)
         if name == home.name:
@@ -280,10 +282,10 @@ def _old_region_order(table: pb.RouteTable, home_name: str, present: set[str]) -
 
 
 @st.composite
-def topologies(draw: st.DrawFn) -> tuple[pb.RouteTable, str]:
+def topologies(draw: st.DrawFn) -> tuple[pb.RouteTable, str, frozenset[str]]:
     """A table of random regions (coordinates or a whole or partial RTT
-    matrix, some hot, some drained) and origins serving random models, and a
-    proxy region in it or not."""
+    matrix, some drained) and origins serving random models, a proxy region
+    in it or not, and the regions hot."""
     count = draw(st.integers(1, 7))
     names_ = [f"r{i}" for i in range(count)]
     coordinate = st.floats(-89.0, 89.0, allow_nan=False)
@@ -295,8 +297,6 @@ def topologies(draw: st.DrawFn) -> tuple[pb.RouteTable, str]:
             latitude=draw(coordinate),
             longitude=draw(st.floats(-179.0, 179.0, allow_nan=False)),
             drained=draw(st.booleans()) and draw(st.booleans()),
-            spill_threshold=draw(st.sampled_from([0.0, 0.5, 2.0])),
-            load=draw(st.sampled_from([0.0, 1.0])),
         )
         if rtt == "all" or (rtt == "some" and draw(st.booleans())):
             for other in names_:
@@ -317,25 +317,29 @@ def topologies(draw: st.DrawFn) -> tuple[pb.RouteTable, str]:
         for i in range(draw(st.integers(1, 10)))
     ]
     proxy = draw(st.sampled_from([*names_, "elsewhere"]))
-    return make_table(regions=regions, origins=origins), proxy
+    hot = frozenset(draw(st.sets(st.sampled_from(names_))))
+    return make_table(regions=regions, origins=origins), proxy, hot
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topologies())
 def test_shared_ranks_order_every_model_as_ranking_it_alone_did(
-    topology: tuple[pb.RouteTable, str],
+    topology: tuple[pb.RouteTable, str, frozenset[str]],
 ) -> None:
     """Ranking each region once per home (trial 83's speed-up) leaves every
-    home's order of every model's regions what sorting them per model gave."""
-    table, proxy = topology
+    home's order of every model's regions what sorting them per model gave,
+    for any set of hot regions (the orders Routes.spilled serves)."""
+    table, proxy, hot = topology
     routes = build_routes(table, proxy)
+    assert routes._regions is not None
+    order = routes._regions.order(hot)
     homes = [r.name for r in table.regions] + ([] if proxy in routes.known else [proxy])
-    assert set(routes.order) == set(homes)
+    assert set(order) == set(homes)
     for home in homes:
-        for model, groups in routes.order[home].items():
+        for model, groups in order[home].items():
             got = [group[0].region for group in groups]
             assert len(set(got)) == len(got)
-            assert got == _old_region_order(table, home, set(got)), (home, model)
+            assert got == _old_region_order(table, home, set(got), hot), (home, model)
 
 
 def test_unknown_proxy_region_orders_by_name() -> None:
