@@ -216,6 +216,7 @@ class ControlPlane:
             audit=self.audit,
             metrics=self.metrics,
             loads=self.loads.fresh,
+            last_loads=lambda: self.loads.loads,
             suspensions=lambda: self.builder.suspensions,
             fleet_problem=self.fleet.problem,
             proxies_seen=self.fleet.seen,

@@ -317,9 +317,9 @@ def _served_as(o: pb.Origin) -> str:
 
 def _inflight(o: pb.Origin) -> str:
     """An origin's requests in flight of its capacity, as the leader's load
-    scrape last read them (the prober's coarser figure for an origin it does
-    not scrape); said to be unknown when no load figures were read (trial 66:
-    a llama.cpp origin with 8 in flight read 0/4, as an idle one does)."""
+    scrape last read them; said to be unknown when it has no figures of the
+    origin (trial 66: a llama.cpp origin with 8 in flight read 0/4, as an
+    idle one does)."""
     capacity = f"/{o.capacity}" if o.capacity else ""
     if o.inflight_unknown:
         return f"?{capacity} (no load metrics)"

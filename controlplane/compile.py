@@ -3,6 +3,13 @@
 The etag is a hash of the table's content without its version, so replicas
 that compile the same state agree, and a change of revision that does not
 change what proxies see (a proxy registering, say) is not pushed.
+
+No load goes in a table: origins' loads reach the proxies apart, about twice
+a second (controlplane.loadsync), and each proxy spills a region by them with
+the capacities, health and thresholds a table gives (dataplane.routes,
+Routes.spilled). A table carrying load was rebuilt, pushed, applied and saved
+by every proxy every few seconds under traffic, for no change an operator or
+a probe made.
 """
 
 from __future__ import annotations
@@ -24,8 +31,6 @@ def compile_table(state: State) -> pb.RouteTable:
     """
     table = pb.RouteTable(version=state.revision)
     known = {r.name for r in state.regions}
-    inflight: dict[str, float] = {}
-    capacity: dict[str, int] = {}
     for origin in sorted(state.origins, key=lambda o: o.name):
         if origin.region not in known:
             continue
@@ -35,23 +40,11 @@ def compile_table(state: State) -> pb.RouteTable:
         # lift that verdict. The proxies' passive health judges it alone.
         verdict = health if origin.probe else None
         healthy = verdict.healthy if verdict else True
-        # Nor is its load read: what a probe of before read is no measure
-        # now (review: a record of 9/10 stood for ever, and spilled its
-        # region), nor is its absence an idle origin.
-        load = verdict.inflight if verdict else 0.0
+        # Nor are its load figures read: an origin not probed says nothing
+        # of them (review: a probe's record of before stood for ever). One
+        # whose figures are not read counts for neither its region's load nor
+        # its capacity (ponto.routetable.counts_for_spill).
         unmeasured = verdict.inflight_unknown if verdict else not origin.probe
-        # An origin whose load is not read counts for neither the region's
-        # load nor its capacity: its 0 would hold the region back from
-        # spilling however full it is (trial 66: a llama.cpp origin with 8
-        # in flight read 0/4); its peers' load stands for the region's.
-        if healthy and not origin.drained and origin.capacity and not unmeasured:
-            # A replica counts for its own capacity at most: one with a queue
-            # (trial 33: 16 requests on a replica of 4) leaves its neighbours'
-            # slots free, and spilling the whole region abroad for it would
-            # cost every session its KV cache. Placement inside the region
-            # moves work off it (docs/routing.md, bounded loads).
-            inflight[origin.region] = inflight.get(origin.region, 0.0) + min(load, origin.capacity)
-            capacity[origin.region] = capacity.get(origin.region, 0) + origin.capacity
         table.origins.append(
             pb.Origin(
                 name=origin.name,
@@ -62,7 +55,6 @@ def compile_table(state: State) -> pb.RouteTable:
                 drained=origin.drained,
                 healthy=healthy,
                 capacity=origin.capacity,
-                inflight=load,
                 health_detail=verdict.detail if verdict else "",
                 credential_env=origin.credential_env,
                 credential_file=origin.credential_file,
@@ -76,7 +68,6 @@ def compile_table(state: State) -> pb.RouteTable:
             )
         )
     for region in sorted(state.regions, key=lambda r: r.name):
-        cap = capacity.get(region.name, 0)
         table.regions.append(
             pb.Region(
                 name=region.name,
@@ -85,8 +76,6 @@ def compile_table(state: State) -> pb.RouteTable:
                 drained=region.drained,
                 rtt_ms=dict(region.rtt_ms),
                 spill_threshold=region.spill_threshold or DEFAULT_SPILL_THRESHOLD,
-                # Rounded so that small load jitter does not push new tables.
-                load=round(inflight.get(region.name, 0.0) / cap, 2) if cap else 0.0,
             )
         )
     tenants = {t.name for t in state.tenants}

@@ -8,16 +8,18 @@ with probing off is never called: the table counts it healthy
 (controlplane.compile) and the proxies' passive health judges it. Health
 changes after `rise` consecutive successes or `fall` consecutive failures.
 Results are written to the store only when they change what proxies would do
-(health, or load by a tenth of capacity), so probing does not churn route
-tables. The fresh per-origin load that proxies place requests by is scraped
-apart, more often, and pushed outside tables (controlplane.loadsync).
+or operators read (health, its reason, the server's kind, whether its load
+figures are read), so probing does not churn route tables. A move of load
+alone is never written: each write rebuilds and pushes the table, and an
+origin of capacity 4 moves by a tenth of it with every request. The load that
+proxies place requests and spill regions by, and that operators read, is
+scraped apart, more often, and pushed outside tables (controlplane.loadsync).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import ssl
 import time
 from collections.abc import Callable
@@ -205,20 +207,6 @@ def say_inherited(healths: list[OriginHealth], fall: int) -> None:
         )
 
 
-# Changes of load alone are written at most this often, for all origins
-# together (by this leader's monotonic clock: the records' `checked_at` are
-# wall clocks, maybe another leader's), in as few transactions as etcd takes:
-# each write rebuilds and pushes the table, and an origin of capacity 4 moves
-# by a tenth of it with every request. Together, so one table an interval at
-# most whatever the number of origins; not per origin: the builder's quiet
-# period merges one round's writes only, and intervals per origin fall in
-# different rounds, up to a table a round (trial 85, 150 origins: 0.67 tables
-# a second so, 0.20 together). The table's loads serve spilling between
-# regions and what operators read, which a few seconds' lag does not hurt:
-# placement inside a region reads the live loads (/ponto/load, every half
-# second, no table).
-LOAD_WRITE_INTERVAL_S = 5.0
-
 # Probes started in one turn of the event loop; the next ones a turn later.
 # Started all at once, 300 origins' probes (a connection made, refused and
 # closed, a metric and a verdict each, most of it before the first await
@@ -230,20 +218,17 @@ PROBES_A_TURN = 16
 
 # What a probe's result changes of the record last written (`change`).
 UNCHANGED: Final = ""
-LOAD: Final = "load"  # its load alone: written with the fleet's next loads
 AT_ONCE: Final = "at once"  # what proxies or operators must see now
 
 
-def change(
-    old: OriginHealth | None, new: OriginHealth, capacity: int, *, passed: bool = False
-) -> str:
+def change(old: OriginHealth | None, new: OriginHealth, *, passed: bool = False) -> str:
     """What `new` changes of `old`, the last written: AT_ONCE for a first
     result, a flip of health, a new reason while unhealthy, a new detail of
     a probe that `passed` while healthy (a 401 with a credential, or an old
     first failure it clears), and while healthy a new server kind or load
-    figures that come or go; LOAD for (with a stated capacity) a move of
-    load by a tenth of it; else UNCHANGED. A failure that does not flip
-    health is no change: one lost probe would push two tables."""
+    figures that come or go; else UNCHANGED. Not a move of load alone (the
+    module's docstring), nor a failure that does not flip health: one lost
+    probe would push two tables."""
     if old is None or old.healthy != new.healthy:
         return AT_ONCE
     if old.detail != new.detail and (passed or not new.healthy):
@@ -251,11 +236,7 @@ def change(
     if not new.healthy:
         return UNCHANGED
     if old.server_kind != new.server_kind or old.inflight_unknown != new.inflight_unknown:
-        return AT_ONCE  # what the operator reads of the origin's load changed
-    # A change of a tenth of capacity, not a crossing of a rounding edge:
-    # jitter around an edge would otherwise push a table every probe.
-    if capacity and abs(new.inflight - old.inflight) >= capacity / 10:
-        return LOAD
+        return AT_ONCE  # whether the origin counts for its region's load changed
     return UNCHANGED
 
 
@@ -268,9 +249,7 @@ class Prober:
         may_write: Callable[[], bool] = lambda: True,
         fence: Callable[[], Fence | None] = lambda: None,
         metrics: ControlMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`clock` (monotonic seconds) spaces the writes of loads alone."""
         self._catalog = catalog
         self._settings = settings
         self._metrics = metrics if metrics is not None else ControlMetrics()
@@ -278,9 +257,6 @@ class Prober:
         self._fence = fence
         self._defects = Defects(log, "health rounds")
         self._tracks: dict[str, _Track] = {}
-        self._clock = clock
-        # When this process last wrote the loads that moved (LOAD_WRITE_INTERVAL_S).
-        self._loads_written_at = -math.inf
         self.rounds = 0
 
     async def run(self) -> None:
@@ -290,7 +266,6 @@ class Prober:
         since (review: an origin it wrote unhealthy stayed so in the table
         once it came back, this process finding it as it had last written it)."""
         self._tracks.clear()
-        self._loads_written_at = -math.inf
         timeout = aiohttp.ClientTimeout(total=self._settings.timeout)
         connector = self._settings.connector()
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -352,25 +327,18 @@ class Prober:
                 if stored is not None and not stored.healthy:
                     inherited.append(stored)
         say_inherited(inherited, self._settings.fall)
-        moved = await asyncio.gather(*await self._started(session, probed))
-        now = self._clock()
-        if now - self._loads_written_at >= LOAD_WRITE_INTERVAL_S:
-            loads = [h for h in moved if h is not None]
-            if loads and self._may_write() and await self._write_all(loads):
-                for h in loads:
-                    self._tracks[h.origin].written = h
-                self._loads_written_at = now
+        await asyncio.gather(*await self._started(session, probed))
         self.rounds += 1
 
     async def _started(
         self, session: aiohttp.ClientSession, origins: list[Origin]
-    ) -> list[asyncio.Task[OriginHealth | None]]:
+    ) -> list[asyncio.Task[None]]:
         """A task probing each of `origins`, PROBES_A_TURN started a turn of
         the loop. If this is cancelled meanwhile, those started are too, and
         it ends once they have, as the gather of them does when cancelled:
         the session they use (the caller's, closed once the round ends) is
         not closed under requests still unwinding."""
-        tasks: list[asyncio.Task[OriginHealth | None]] = []
+        tasks: list[asyncio.Task[None]] = []
         try:
             for i, origin in enumerate(origins):
                 if i and not i % PROBES_A_TURN:
@@ -383,9 +351,8 @@ class Prober:
             raise
         return tasks
 
-    async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
-        """Probe `origin` and write what changed at once; return its result
-        when its load alone moved (probe_all writes those together), else None."""
+    async def _probe(self, session: aiohttp.ClientSession, origin: Origin) -> None:
+        """Probe `origin` and write what changed (`change`)."""
         track = self._tracks[origin.name]
         root = root_of(origin.base_url)
         path = origin.probe_path or self._settings.path
@@ -428,20 +395,12 @@ class Prober:
             server_kind=kind,
             inflight_unknown=unknown,
         )
-        what = change(track.written, new, origin.capacity, passed=ok)
-        if what == LOAD:
-            return new
-        if what == AT_ONCE and self._may_write():
+        if change(track.written, new, passed=ok) == AT_ONCE and self._may_write():
             flipped = track.written is None or track.written.healthy != new.healthy
             if await self._write(new):
                 track.written = new
                 if flipped:
                     log.info("%s", health_line(new, self._settings.fall, passed=ok))
-        return None
-
-    async def _write(self, health: OriginHealth) -> bool:
-        """Store `health`; False (and logged) when it could not be."""
-        return await self._write_all([health], f"health of {health.origin}")
 
     async def _delete_all(self, origins: list[str]) -> None:
         """Delete the health records of `origins` (Catalog.delete_healths);
@@ -454,12 +413,12 @@ class Prober:
         except Conflict:
             log.warning("not deleting %s: no longer the leader", what)
 
-    async def _write_all(self, healths: list[OriginHealth], what: str = "") -> bool:
-        """Store `healths` (Catalog.put_healths); False (and logged) when
-        they could not all be."""
-        what = what or f"the loads of {len(healths)} origins"
+    async def _write(self, health: OriginHealth) -> bool:
+        """Store `health` (Catalog.put_healths); False (and logged) when it
+        could not be."""
+        what = f"health of {health.origin}"
         try:
-            await self._catalog.put_healths(healths, fence=self._fence())
+            await self._catalog.put_healths([health], fence=self._fence())
         except Unavailable as exc:
             log.warning("cannot record %s: %s", what, exc)
             return False

@@ -8,8 +8,9 @@
       serialised once per change, to every stream
 
 The load key lives outside /ponto/state/, so load never rebuilds a route
-table. (The health prober's coarse inflight figure, written into the table
-when it moves by a tenth of capacity, is separate and unchanged.)
+table: proxies place requests inside regions by these figures and spill
+between regions by them (dataplane.routes, Routes.spilled), and operators
+read them (the status page, ListOrigins).
 
 Freshness. The leader writes when the rounded figures change, or when the
 last write is `load_refresh` (default 2 s) old although nothing changed. So:

@@ -98,6 +98,7 @@ from dataplane.http.state import SERVER_NAME
 from ponto.grpcconn import accepted_tokens, token_among
 from ponto.logs import Throttled
 from ponto.peers import client_of
+from ponto.routetable import counts_for_spill, region_load
 from ponto.v1 import routing_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,7 @@ class StatusWeb:
         audit: Auditor | None = None,
         metrics: Exposition | None = None,
         loads: Callable[[], pb.OriginLoads | None] = lambda: None,
+        last_loads: Callable[[], pb.OriginLoads | None] = lambda: None,
         suspensions: Callable[[], Suspensions | None] = lambda: None,
         fleet_problem: Callable[[], str] = str,
         proxies_seen: Callable[[list[ProxyRecord]], None] = lambda proxies: None,
@@ -236,7 +238,9 @@ class StatusWeb:
         reports (ProxyRegistry's, --traffic-interval-ms). `suspensions`:
         what is suspended in the state of this replica's latest table
         (TableBuilder.suspensions), read from memory as the table is.
-        `fleet_problem`: what this replica knows of a fleet id lost
+        `last_loads`: the leader's latest scrape whatever its age
+        (LoadHub.loads), shown while the store is away. `fleet_problem`:
+        what this replica knows of a fleet id lost
         (FleetWatch.problem), shown first among the fleet warnings.
         `proxies_seen`: told of every proxy registration each sample reads
         (FleetWatch.seen)."""
@@ -253,6 +257,7 @@ class StatusWeb:
         self._audit = audit
         self._metrics = metrics
         self._loads = loads  # the leader's latest load scrape, while fresh (LoadHub.fresh)
+        self._last_loads = last_loads
         self._suspensions = suspensions
         self._fleet_problem = fleet_problem
         self._proxies_seen = proxies_seen
@@ -525,7 +530,9 @@ class StatusWeb:
         )
         latest = self._publisher.latest
         table = latest.table if latest else pb.RouteTable()
-        scraped = self._loads()
+        # The last reading before the outage, however old (the leader cannot
+        # write newer ones meanwhile), as the page's banner says.
+        scraped = self._last_loads()
         loads = {load.origin: load for load in scraped.loads} if scraped else {}
         origins: dict[str, list[pb.Origin]] = {}
         for o in table.origins:
@@ -892,11 +899,10 @@ def _connection(p: ProxyRecord) -> str:
 
 
 def _origin_row(o: pb.Origin, load: pb.OriginLoad | None, ejected: str = "") -> dict[str, Any]:
-    # The live scrape's requests when there is one: the table's figure is
-    # written at most every few seconds, and one row showed both (trial 33).
-    # None when no load figures were read: a 0 there looked measured (trial
-    # 66: a llama.cpp origin with 8 in flight read "0 / 4 (0%)").
-    inflight = load.running + load.waiting if load else None if o.inflight_unknown else o.inflight
+    # The leader's scrape's requests (tables carry no load); None when it has
+    # none of the origin: a 0 there looked measured (trial 66: a llama.cpp
+    # origin with 8 in flight read "0 / 4 (0%)").
+    inflight = load.running + load.waiting if load else None
     warning = "" if o.no_continuation else continuation_warning(o.name, o.server_kind)
     return {
         "name": o.name,
@@ -949,22 +955,16 @@ def _region_row(
     `ejected`: origin -> what the proxies' passive health says of it."""
     ejected = ejected or {}
     rows = [_origin_row(o, loads.get(o.name), ejected.get(o.name, "")) for o in origins]
-    # Origins whose load is not read count for neither (as compile does).
-    serving = [
-        row for row in rows if row["healthy"] and not row["drained"] and row["inflight"] is not None
-    ]
-    capacity = sum(row["capacity"] for row in serving)
     return {
         "name": r.name,
         "latitude": r.latitude,
         "longitude": r.longitude,
         "drained": r.drained,
-        # As the route table reckons it for spilling: each replica up to its
-        # capacity (controlplane.compile).
-        "load": (
-            sum(min(row["inflight"], row["capacity"]) for row in serving) / capacity
-            if capacity
-            else None
+        # As the proxies reckon it for spilling, from the same loads.
+        "load": region_load(
+            (o.capacity, row["inflight"])
+            for o, row in zip(origins, rows, strict=True)
+            if counts_for_spill(o)
         ),
         "origins": rows,
         "proxies": proxies,

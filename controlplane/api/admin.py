@@ -208,9 +208,8 @@ def origin_pb(o: Origin, health: OriginHealth | None = None) -> pb.Origin:
         # healthy whatever an earlier probe of it said.
         healthy=health.healthy if health and o.probe else True,
         capacity=o.capacity,
-        # Nor its load, nor its server: no probe reads them (review: a
-        # probe's of before stood for ever).
-        inflight=health.inflight if health and o.probe else 0.0,
+        # Nor its server: no probe reads it (review: a probe's of before
+        # stood for ever). Its load is the leader's scrape's (ListOrigins).
         health_detail=health.detail if health and o.probe else "",
         credential_env=o.credential_env,
         credential_file=o.credential_file,
@@ -387,16 +386,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         known = {o.name for o in state.origins}
         ejections = fleet_ejections(proxies, now)
         origins = [origin_pb(o, state.health.get(o.name)) for o in state.origins]
-        # The live scrape's requests, as the status page shows them: the
-        # health record's figure is rewritten only when it moves by a tenth
-        # of capacity, so an origin of 64 that went from 1 request to none
-        # read 1/64 for good (trial 94).
+        # The leader's scrape's requests, as the status page shows them (the
+        # health record's figure is not kept current: trial 94, an origin of
+        # 64 that went from 1 request to none read 1/64 for good). Unknown
+        # without one: a 0 there looks measured (trial 66).
         scraped = self._loads()
         live = {load.origin: load for load in scraped.loads} if scraped else {}
         for origin in origins:
             if (load := live.get(origin.name)) is not None and not origin.not_probed:
                 origin.inflight = load.running + load.waiting
                 origin.inflight_unknown = False
+            else:
+                origin.inflight_unknown = True
         return apb.ListOriginsResponse(
             origins=origins,
             ejections=[

@@ -241,7 +241,6 @@ class Region(_message.Message):
     DRAINED_FIELD_NUMBER: _builtins.int
     RTT_MS_FIELD_NUMBER: _builtins.int
     SPILL_THRESHOLD_FIELD_NUMBER: _builtins.int
-    LOAD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     latitude: _builtins.float
     longitude: _builtins.float
@@ -249,11 +248,9 @@ class Region(_message.Message):
     """A drained region receives no new requests; in-flight ones finish."""
     spill_threshold: _builtins.float
     """Load (0..1 of capacity) above which the region's new requests spill to the
-    next region. 0 means the default (0.8).
-    """
-    load: _builtins.float
-    """Load of the region's healthy origins, as last scraped: sum of running and
-    waiting requests over sum of capacity (0 when no origin reports capacity).
+    next region. 0 means the default (0.8). Proxies reckon the load from the
+    origins' loads pushed apart from tables (OriginLoads) and the capacity,
+    health and drains of the table's origins.
     """
     @_builtins.property
     def rtt_ms(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
@@ -271,11 +268,10 @@ class Region(_message.Message):
         drained: _builtins.bool = ...,
         rtt_ms: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         spill_threshold: _builtins.float = ...,
-        load: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "latitude", b"latitude", "load", b"load", "longitude", b"longitude", "name", b"name", "rtt_ms", b"rtt_ms", "spill_threshold", b"spill_threshold"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "latitude", b"latitude", "longitude", b"longitude", "name", b"name", "rtt_ms", b"rtt_ms", "spill_threshold", b"spill_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,10 +332,12 @@ class Origin(_message.Message):
     capacity: _builtins.int
     """Concurrent requests the origin serves well (0: unknown, no spill)."""
     inflight: _builtins.float
-    """Running + waiting requests as last scraped (vLLM metrics), and why the
-    origin is unhealthy if it is.
+    """Running + waiting requests as the leader last scraped them: set in the
+    Admin API's origin lists, never in route tables (load reaches proxies as
+    OriginLoads; a table carrying it was rebuilt whenever it moved).
     """
     health_detail: _builtins.str
+    """Why the origin is unhealthy if it is."""
     credential_env: _builtins.str
     """Where the proxy reads the origin's upstream credential (see OriginSpec)."""
     credential_file: _builtins.str
@@ -357,9 +355,9 @@ class Origin(_message.Message):
     """
     inflight_unknown: _builtins.bool
     """No load figures were read from the origin (see server_kind): `inflight`
-    is 0 but not measured, and the origin's region cannot tell when to spill
-    for it. Negative so that a table without the field keeps the meaning
-    it had: measured.
+    is 0 but not measured, and the origin counts for neither its region's
+    load nor its capacity when proxies decide to spill. Negative so that a
+    table without the field keeps the meaning it had: measured.
     """
     probe_path: _builtins.str
     """The origin's own probe path (OriginSpec.probe_path; "": the control

@@ -3,9 +3,9 @@
 One control plane replica (the leader) over the session etcd scrapes an
 in-process origin simulator (ponto.originsim, which exports vLLM's running and
 waiting gauges) every 0.1 s; a ControlPlaneClient, the proxy's own link,
-receives the pushes. Timing is only bounded generously, never asserted as
-performance; the age of the figures at the proxy is measured and printed
-(run with -s to see it).
+receives the pushes into a LoadBoard, which its TableHolder spills by. Timing
+is only bounded generously, never asserted as performance; the age of the
+figures at the proxy is measured and printed (run with -s to see it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from controlplane.catalog import ROOT
 from controlplane.model import Origin, Region
 from controlplane.settings import parse
 from controlplane.store.etcd import EtcdStore
+from dataplane.placement.load import LoadBoard
 from dataplane.sync.holder import TableHolder
 from dataplane.sync.link import ControlPlaneClient
 from ponto.originsim import SIM_STATE, SimConfig, build_app
@@ -115,20 +116,33 @@ async def setup(etcd_endpoint: EtcdEndpoint) -> AsyncIterator[Setup]:
     plane = ControlPlane(settings, store)
     await plane.start()
     await plane.catalog.put_region(Region("east", 40.7, -74.0), allow_update=False)
+    await plane.catalog.put_region(Region("west", 37.8, -122.4), allow_update=False)
     await plane.catalog.put_origin(
-        # capacity 0: the prober writes health once and never again for load,
-        # so any later table would come from the load pushes.
-        Origin("gpu-1", str(origin.make_url("/v1")), "east", (MODEL,)),
+        # Capacity 4: every request moves its load by a quarter of it, which
+        # wrote its health, and so made a table, before load left tables.
+        Origin("gpu-1", str(origin.make_url("/v1")), "east", (MODEL,), capacity=4),
+        allow_update=False,
+    )
+    await plane.catalog.put_origin(
+        # Where east spills to: not probed, so healthy, and never called.
+        Origin("gpu-2", "http://127.0.0.1:9/v1", "west", (MODEL,), probe=False),
         allow_update=False,
     )
     got = Received()
-    holder = TableHolder("east", None)
+    board = LoadBoard()
+    holder = TableHolder("east", None, scraped=board.scraped_load)
+    board.on_change.append(holder.loads_changed)
     holder.on_apply.append(lambda routes, _policy: got.tables.append(routes.version))
+
+    def on_loads(loads: pb.OriginLoads) -> None:
+        board.apply(loads)
+        got.on_loads(loads)
+
     link = ControlPlaneClient(
         holder,
         [f"127.0.0.1:{plane.port}"],
         pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test"),
-        on_loads=got.on_loads,
+        on_loads=on_loads,
     )
     task = asyncio.create_task(link.run())
     try:
@@ -163,10 +177,17 @@ async def test_the_proxy_receives_the_origins_gauges_and_their_changes(setup: Se
     assert setup.got.loads[-1][0].generation > first.generation
 
 
-async def test_load_pushes_leave_the_route_table_alone(setup: Setup) -> None:
-    # The prober writes the origin's health once (capacity 0: never again for
-    # load). Past the builder's longest debounce (0.5 s) after that write, and
-    # with the proxy holding the latest table, tables are settled.
+async def test_load_pushes_spill_the_proxy_and_leave_the_route_table_alone(
+    setup: Setup,
+) -> None:
+    """Load never rebuilds a table (trial of the churn: one every 5 to 6 s
+    under traffic, for nothing an operator or a probe changed): the proxy
+    spills east to west when the pushed load crosses east's threshold (0.8
+    of its capacity 4), and takes it back when the load falls, on the same
+    table version."""
+    # The prober writes the origin's health once, and never again for load.
+    # Past the builder's longest debounce (0.5 s) after that write, and with
+    # the proxy holding the latest table, tables are settled.
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT
     while await setup.plane.store.get(ROOT + "state/health/gpu-1") is None:
@@ -183,11 +204,21 @@ async def test_load_pushes_leave_the_route_table_alone(setup: Setup) -> None:
     version = setup.holder.routes.version
     tables = len(setup.got.tables)
 
+    def regions() -> list[str]:
+        routes = setup.holder.routes
+        assert routes is not None
+        return [t.region for t in routes.candidates(MODEL, "east")]
+
+    assert regions() == ["east", "west"]
     pushes = len(setup.got.loads)
     for n in range(1, 6):
         setup.set_origin(running=n, waiting=n % 2)
         await setup.until_figures(n, n % 2)
     assert len(setup.got.loads) >= pushes + 5
+    assert regions() == ["west", "east"]  # 5 and 1 waiting, of 4: spilled
+    setup.set_origin(running=1, waiting=0)
+    await setup.until_figures(1, 0)
+    assert regions() == ["east", "west"]
     assert setup.holder.routes.version == version
     assert len(setup.got.tables) == tables
     latest = setup.plane.publisher.latest

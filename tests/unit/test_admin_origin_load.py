@@ -1,9 +1,9 @@
 """ListOrigins (`pontoctl get origins`' INFLIGHT) reports an origin's requests
-as the leader's latest load scrape read them, as the status page does: the
-health record's figure is rewritten only when it moves by a tenth of
-capacity, so after a request ended an origin of capacity 64 read 1/64 while
-its metrics said 0 running, for as long as its load stayed under 6.4
-(trial 94)."""
+as the leader's latest load scrape read them, as the status page does, and
+never the health record's figure, which is not kept current (trial 94: after
+a request ended an origin of capacity 64 read 1/64 while its metrics said 0
+running; since load left the tables the record's figure is only rewritten
+with a flip of health)."""
 
 from __future__ import annotations
 
@@ -81,14 +81,16 @@ async def test_an_origins_requests_are_the_latest_scrapes() -> None:
     )
     assert await inflight(scraped) == {
         "vllm-1": (0.0, False),  # idle now, as its metrics say
-        "vllm-2": (1.0, False),  # no scrape of it: the prober's figure
+        "vllm-2": (0.0, True),  # no scrape of it: unknown, not the record's 1
         "hosted": (0.0, True),
     }
 
 
-async def test_without_a_scrape_the_probers_figure_stands() -> None:
+async def test_without_a_scrape_every_origins_load_is_unknown() -> None:
+    """No leader scraping (LoadHub.fresh is None): the records' figures
+    are as old as their last flip of health, and a 0 would look measured."""
     assert await inflight(None) == {
-        "vllm-1": (1.0, False),
-        "vllm-2": (1.0, False),
+        "vllm-1": (0.0, True),
+        "vllm-2": (0.0, True),
         "hosted": (0.0, True),
     }

@@ -1,19 +1,16 @@
-"""controlplane.election over MemoryStore, and the load that compile_table derives."""
+"""controlplane.election over MemoryStore."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from controlplane.catalog import LEADER_KEY
-from controlplane.compile import DEFAULT_SPILL_THRESHOLD, compile_table
 from controlplane.election import Leadership
-from controlplane.model import Origin, OriginHealth, Region, State
 from controlplane.store import (
     Fence,
     KeyValue,
@@ -24,7 +21,6 @@ from controlplane.store import (
     Write,
 )
 from controlplane.store.memory import MemoryStore
-from ponto.v1 import routing_pb2 as pb
 
 TTL = 2
 # Bounds for "eventually", not timings under test: generous so a loaded CI
@@ -420,142 +416,6 @@ async def test_key_held_by_another_replica_is_respected() -> None:
         assert await leader_name(store) == "a"
     finally:
         await stop(task)
-
-
-# ---------------------------------------------------------------- compile: region load
-
-EU = Region("eu-west", 53.0, -6.0)
-US = Region("us-east", 39.0, -77.0)
-
-
-def origin(name: str, region: str = "eu-west", capacity: int = 10) -> Origin:
-    return Origin(name, f"http://{name}.example/v1", region, ("llama-3",), capacity=capacity)
-
-
-def compiled_region(table: pb.RouteTable, name: str) -> pb.Region:
-    (region,) = [r for r in table.regions if r.name == name]
-    return region
-
-
-def test_region_load_is_inflight_over_capacity() -> None:
-    state = State(
-        3,
-        (EU,),
-        (origin("a"),),
-        {"a": OriginHealth("a", healthy=True, inflight=9)},
-    )
-    region = compiled_region(compile_table(state), "eu-west")
-    assert region.load == pytest.approx(0.9)
-    assert region.spill_threshold == pytest.approx(DEFAULT_SPILL_THRESHOLD)
-    assert DEFAULT_SPILL_THRESHOLD == 0.8
-
-
-def test_region_load_sums_over_origins() -> None:
-    state = State(
-        3,
-        (EU, US),
-        (origin("a"), origin("b", capacity=30), origin("c", "us-east")),
-        {
-            "a": OriginHealth("a", healthy=True, inflight=9),
-            "b": OriginHealth("b", healthy=True, inflight=3),
-            "c": OriginHealth("c", healthy=True, inflight=2),
-        },
-    )
-    table = compile_table(state)
-    assert compiled_region(table, "eu-west").load == pytest.approx(12 / 40)
-    assert compiled_region(table, "us-east").load == pytest.approx(0.2)
-
-
-def test_a_replica_counts_for_its_capacity_at_most() -> None:
-    """Trial 33: one replica of four with a queue (16 in flight, capacity 4)
-    made the region's load 1.0 while three replicas were idle, and every
-    session spilled abroad, losing its KV cache."""
-    state = State(
-        3,
-        (EU,),
-        tuple(origin(n, capacity=4) for n in "abcd"),
-        {"d": OriginHealth("d", healthy=True, inflight=16)},
-    )
-    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.25)
-    # Every replica past its capacity: the region is full.
-    full = {n: OriginHealth(n, healthy=True, inflight=16) for n in "abcd"}
-    state = State(3, (EU,), tuple(origin(n, capacity=4) for n in "abcd"), full)
-    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(1.0)
-
-
-def test_a_replica_whose_load_is_not_read_is_not_the_regions_capacity() -> None:
-    """Trial 66: a replica whose metrics page gave no load figures counted as
-    idle, holding its region back from spilling however busy it was."""
-    state = State(
-        3,
-        (EU,),
-        (origin("a", capacity=4), origin("b", capacity=4)),
-        {
-            "a": OriginHealth("a", True, 4, server_kind="vllm"),
-            "b": OriginHealth("b", True, 0, server_kind="unknown", inflight_unknown=True),
-        },
-    )
-    table = compile_table(state)
-    assert compiled_region(table, "eu-west").load == pytest.approx(1.0)  # a's 4 of its 4
-    b = next(o for o in table.origins if o.name == "b")
-    assert (b.server_kind, b.inflight_unknown) == ("unknown", True)
-    assert next(o for o in table.origins if o.name == "a").server_kind == "vllm"
-
-
-def test_a_drained_replica_is_not_the_regions_capacity() -> None:
-    drained = replace(origin("a"), drained=True)
-    state = State(
-        3,
-        (EU,),
-        (drained, origin("b")),
-        {"a": OriginHealth("a", True, 1), "b": OriginHealth("b", True, 9)},
-    )
-    # b's 9 of its 10: a's requests are ending, and it takes no new ones.
-    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.9)
-
-
-def test_unhealthy_origins_are_excluded_from_load() -> None:
-    state = State(
-        3,
-        (EU,),
-        (origin("a"), origin("b")),
-        {
-            "a": OriginHealth("a", healthy=False, inflight=9, detail="probe answered 503"),
-            "b": OriginHealth("b", healthy=True, inflight=2),
-        },
-    )
-    region = compiled_region(compile_table(state), "eu-west")
-    assert region.load == pytest.approx(0.2)  # 2 / 10: neither a's load nor capacity
-
-
-def test_origin_without_health_counts_as_healthy_and_idle() -> None:
-    state = State(3, (EU,), (origin("a"), origin("b")), {"a": OriginHealth("a", True, 5)})
-    assert compiled_region(compile_table(state), "eu-west").load == pytest.approx(0.25)
-
-
-def test_no_capacity_means_zero_load() -> None:
-    state = State(
-        3,
-        (EU,),
-        (origin("a", capacity=0),),
-        {"a": OriginHealth("a", healthy=True, inflight=50)},
-    )
-    table = compile_table(state)
-    assert compiled_region(table, "eu-west").load == 0.0
-    assert table.origins[0].inflight == 50  # still reported per origin
-
-
-def test_all_unhealthy_means_zero_load() -> None:
-    state = State(3, (EU,), (origin("a"),), {"a": OriginHealth("a", False, 9, "down")})
-    assert compiled_region(compile_table(state), "eu-west").load == 0.0
-
-
-def test_explicit_spill_threshold_is_kept() -> None:
-    custom = Region("eu-west", 53.0, -6.0, spill_threshold=0.5)
-    state = State(3, (custom,), (origin("a"),), {"a": OriginHealth("a", True, 6)})
-    region = compiled_region(compile_table(state), "eu-west")
-    assert region.spill_threshold == pytest.approx(0.5)
-    assert region.load == pytest.approx(0.6)
 
 
 async def test_a_replica_restarted_under_its_id_takes_its_predecessors_lead_at_once() -> None:

@@ -360,7 +360,8 @@ def test_all_hot_is_plain_distance_order() -> None:
 
 def test_a_compiled_table_spills_by_the_loads_pushed_apart_from_it() -> None:
     """What the control plane compiles (compile_table: capacity, health,
-    threshold) and the loads it pushes apart from tables drive the order."""
+    threshold) and the loads it pushes apart from tables drive the order;
+    the table is the same whatever the load (no table per move of load)."""
     regions = tuple(ModelRegion(n, lat, lon) for n, lat, lon in (US, EU, AP))
     origins = tuple(
         Origin(f"o-{n}", f"http://o-{n}.example/v1", n, (MODEL,), capacity=10)
@@ -368,6 +369,8 @@ def test_a_compiled_table_spills_by_the_loads_pushed_apart_from_it() -> None:
     )
     busy = {"o-us-east": OriginHealth("o-us-east", healthy=True, inflight=9)}
     table = compile_table(State(5, regions, origins, busy))
+    calm = {"o-us-east": OriginHealth("o-us-east", healthy=True, inflight=7)}
+    assert compile_table(State(5, regions, origins, calm)) == table
     routes = build_routes(table, "us-east")
     assert regions_of(routes.spilled({"o-us-east": 9.0}.get).candidates(MODEL, "us-east")) == [
         "eu-west",

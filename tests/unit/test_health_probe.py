@@ -21,8 +21,6 @@ from controlplane.errors import Unavailable
 from controlplane.health import (
     AT_ONCE,
     INHERITED_LINES,
-    LOAD,
-    LOAD_WRITE_INTERVAL_S,
     PROBES_A_TURN,
     UNCHANGED,
     Prober,
@@ -215,72 +213,46 @@ def health(healthy: bool = True, inflight: float = 0.0, detail: str = "") -> Ori
 
 
 def test_first_result_is_always_written() -> None:
-    assert change(None, health(), 0) == AT_ONCE
-    assert change(None, health(healthy=False, detail="x"), 10) == AT_ONCE
+    assert change(None, health()) == AT_ONCE
+    assert change(None, health(healthy=False, detail="x")) == AT_ONCE
 
 
 def test_health_flips_are_written() -> None:
-    assert change(health(True), health(False, detail="probe answered 503"), 0) == AT_ONCE
-    assert change(health(False, detail="probe answered 503"), health(True), 0) == AT_ONCE
+    assert change(health(True), health(False, detail="probe answered 503")) == AT_ONCE
+    assert change(health(False, detail="probe answered 503"), health(True)) == AT_ONCE
 
 
 def test_same_health_same_load_not_written() -> None:
-    assert change(health(True, 3), health(True, 3), 10) == UNCHANGED
+    assert change(health(True, 3), health(True, 3)) == UNCHANGED
     unhealthy = health(False, 3, "probe answered 503")
-    assert change(unhealthy, unhealthy, 10) == UNCHANGED
+    assert change(unhealthy, unhealthy) == UNCHANGED
 
 
 def test_detail_change_while_unhealthy_is_written() -> None:
     old = health(False, detail="probe answered 503")
     new = health(False, detail="probe failed: ClientConnectorError")
-    assert change(old, new, 10) == AT_ONCE
+    assert change(old, new) == AT_ONCE
 
 
 def test_load_change_while_unhealthy_is_not_written() -> None:
     old = health(False, 0, "probe answered 503")
     new = health(False, 9, "probe answered 503")
-    assert change(old, new, 10) == UNCHANGED
+    assert change(old, new) == UNCHANGED
 
 
-def test_load_change_of_a_tenth_of_capacity_is_written() -> None:
-    assert change(health(True, 0), health(True, 1), 10) == LOAD
-    assert change(health(True, 2), health(True, 5), 10) == LOAD
-    assert change(health(True, 90), health(True, 0), 100) == LOAD
-
-
-def test_small_load_change_is_not_written() -> None:
-    assert change(health(True, 0), health(True, 0.4), 10) == UNCHANGED
-    assert change(health(True, 30), health(True, 31), 100) == UNCHANGED
-
-
-def test_a_move_of_load_alone_waits_for_the_fleets_next_loads_a_flip_does_not() -> None:
-    """Trial 19: origins of capacity 4 (a request is more than a tenth of it)
-    rewrote their health, and so rebuilt the route table, on nearly every
-    probe under three clients. A move of load alone is LOAD (written with
-    the others' at most every interval: the prober's test below); a flip
-    of health goes at once, with the load it has."""
+def test_a_move_of_load_alone_is_never_written_a_flip_is() -> None:
+    """Trial 19: origins of capacity 4 rewrote their health, and so rebuilt
+    the route table, on nearly every probe under three clients; later, moves
+    of a tenth of capacity still made a table every five seconds under any
+    traffic. Load reaches proxies and operators apart from tables
+    (controlplane.loadsync); a flip of health goes at once."""
     last = health(True, 0)
-    assert change(last, health(True, 3), 4) == LOAD
-    assert change(last, health(False, 3, "probe answered 503"), 4) == AT_ONCE
+    assert change(last, health(True, 3)) == UNCHANGED
+    assert change(last, health(True, 500)) == UNCHANGED
+    assert change(health(True, 90), health(True, 0)) == UNCHANGED
+    assert change(last, health(False, 3, "probe answered 503")) == AT_ONCE
     down = health(False, 0, "probe answered 503")
-    assert change(down, health(True, 3), 4) == AT_ONCE
-
-
-def test_load_change_without_capacity_is_not_written() -> None:
-    assert change(health(True, 0), health(True, 500), 0) == UNCHANGED
-
-
-def test_tiny_load_jitter_is_not_written() -> None:
-    """Only load changes "by a tenth of capacity" are written (module docstring).
-
-    Comparing round(load, 1) buckets instead would rewrite an origin jittering
-    between 4 and 6 requests out of 100 (2% of capacity) on every probe, and
-    so recompile and re-push the route table every interval.
-    """
-    assert change(health(True, 4), health(True, 6), 100) == UNCHANGED
-    assert change(health(True, 6), health(True, 4), 100) == UNCHANGED
-    assert change(health(True, 6), health(True, 14), 100) == UNCHANGED  # 8%: same bucket
-    assert change(health(True, 6), health(True, 16), 100) == LOAD
+    assert change(down, health(True, 3)) == AT_ONCE
 
 
 def test_a_new_server_kind_or_load_figures_coming_or_going_are_written() -> None:
@@ -288,12 +260,10 @@ def test_a_new_server_kind_or_load_figures_coming_or_going_are_written() -> None
     # `get origins` and the status page say of the origin's load.
     vllm = OriginHealth("o1", healthy=True, inflight=3, server_kind="vllm")
     unread = OriginHealth("o1", healthy=True, server_kind="unknown", inflight_unknown=True)
-    assert change(vllm, unread, 0) == AT_ONCE
-    assert change(unread, vllm, 0) == AT_ONCE
-    assert (
-        change(vllm, OriginHealth("o1", healthy=True, inflight=3, server_kind="tgi"), 0) == AT_ONCE
-    )
-    assert change(vllm, vllm, 0) == UNCHANGED
+    assert change(vllm, unread) == AT_ONCE
+    assert change(unread, vllm) == AT_ONCE
+    assert change(vllm, OriginHealth("o1", healthy=True, inflight=3, server_kind="tgi")) == AT_ONCE
+    assert change(vllm, vllm) == UNCHANGED
 
 
 def test_parse_load_reads_every_servers_requests() -> None:
@@ -420,14 +390,14 @@ async def test_prober_follows_health_and_load(
     assert prober.rounds == 3
 
 
-async def test_prober_writes_moves_of_load_alone_together_at_most_every_interval(
+async def test_prober_never_writes_a_move_of_load_alone(
     fake_origin: tuple[FakeOrigin, TestServer], session: aiohttp.ClientSession
 ) -> None:
-    """Trial 84: each origin's load was written at most every interval, so
-    origins under load, their writes falling in different rounds, rebuilt
-    and pushed up to a table a round. The moves of all origins are
-    written together, in one transaction (one table), at most every
-    interval; a flip of health still goes at once."""
+    """Trial 84, and the churn after it: moves of load were written together
+    at most every five seconds, and each write made a new route table for
+    every proxy to build, ack and save, under any traffic, for nothing an
+    operator or a probe changed. The store's revision stays put however the
+    load moves; a flip of health is still written at once."""
     origin, server = fake_origin
     root = str(server.make_url(""))
     catalog = await make_catalog(
@@ -436,66 +406,33 @@ async def test_prober_writes_moves_of_load_alone_together_at_most_every_interval
             for i in range(3)
         )
     )
-    now = [100.0]
-    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2), clock=lambda: now[0])
-
-    async def loads() -> tuple[int, list[float]]:
-        state = await catalog.snapshot()
-        return state.revision, [state.health[f"o{i}"].inflight for i in range(3)]
-
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2))
     await probe(prober, session)
-    revision, first = await loads()
-    assert first == [9.0, 9.0, 9.0]
-    origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # 9 -> 13 requests
-    now[0] += 1
-    await probe(prober, session)
-    assert await loads() == (revision + 1, [13.0, 13.0, 13.0])  # one write for the three
-    origin.metrics = VLLM_METRICS  # back to 9, within the interval: not yet
-    now[0] += LOAD_WRITE_INTERVAL_S - 0.5
-    await probe(prober, session)
-    assert await loads() == (revision + 1, [13.0, 13.0, 13.0])
-    now[0] += 0.5
-    await probe(prober, session)
-    assert await loads() == (revision + 2, [9.0, 9.0, 9.0])
-    origin.status = 503  # a flip is written at once, with the load it has
-    now[0] += 0.1
+    revision = (await catalog.snapshot()).revision
+    for metrics in (VLLM_METRICS.replace("} 3.0", "} 7.0"), VLLM_METRICS):  # 9 -> 13 -> 9
+        origin.metrics = metrics
+        await probe(prober, session)
+        assert (await catalog.snapshot()).revision == revision
+    origin.status = 503
     await probe(prober, session)
     down = await stored(catalog, "o1")
     assert down is not None and not down.healthy
 
 
-async def test_loads_not_written_are_tried_next_round_and_a_deposed_leader_writes_none(
+async def test_a_flip_not_written_is_tried_next_round_and_a_deposed_leader_writes_none(
     fake_origin: tuple[FakeOrigin, TestServer],
     session: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Review of the loads written together: one batch etcd did not take is
-    written at the next round, not an interval later (nor never, were the
-    interval counted from the attempt); one a deposed leader's fence refuses
-    writes nothing, and says why once."""
-    origin, server = fake_origin
-    root = str(server.make_url(""))
-    catalog = await make_catalog(
-        *(
-            Origin(f"o{i}", f"{root}/o{i}/v1", "eu-west", ("llama-3",), capacity=10)
-            for i in range(3)
-        )
-    )
+    """A write etcd did not take is tried at the next round (what was
+    written stays the prober's reference until one is taken); one a
+    deposed leader's fence refuses writes nothing, and says why."""
+    origin, _ = fake_origin
+    catalog, _ = await one_origin(fake_origin)
     leader = await catalog.store.put("/ponto/leader", b"me")
     fence = [Fence("/ponto/leader", leader)]
-    now = [100.0]
-    prober = Prober(
-        catalog,
-        ProbeSettings(rise=1, fall=1, timeout=2),
-        fence=lambda: fence[0],
-        clock=lambda: now[0],
-    )
-
-    async def loads() -> list[float]:
-        state = await catalog.snapshot()
-        return [state.health[f"o{i}"].inflight for i in range(3)]
-
-    await probe(prober, session)  # first results: at once
+    prober = Prober(catalog, ProbeSettings(rise=1, fall=1, timeout=2), fence=lambda: fence[0])
+    await probe(prober, session)  # first result: at once
     put_healths, calls = catalog.put_healths, [0]
 
     async def unavailable_once(healths: Any, *, fence: Fence | None = None) -> None:
@@ -505,25 +442,22 @@ async def test_loads_not_written_are_tried_next_round_and_a_deposed_leader_write
         await put_healths(healths, fence=fence)
 
     catalog.put_healths = unavailable_once  # type: ignore[method-assign]
-    origin.metrics = VLLM_METRICS.replace("} 3.0", "} 7.0")  # 9 -> 13 requests
-    now[0] += 1
+    origin.status = 503
     await probe(prober, session)
-    assert await loads() == [9.0, 9.0, 9.0]
-    now[0] += 1
+    first = await stored(catalog, "o1")
+    assert first is not None and first.healthy
     await probe(prober, session)
-    assert await loads() == [13.0, 13.0, 13.0]  # the next round, not an interval later
+    second = await stored(catalog, "o1")
+    assert second is not None and not second.healthy  # the next round
     # Deposed: its fence names a leader key no longer there as it was.
     fence[0] = Fence("/ponto/leader", leader + 99)
-    origin.metrics = VLLM_METRICS
+    origin.status = 200
     before = (await catalog.snapshot()).revision
     caplog.clear()
-    now[0] += LOAD_WRITE_INTERVAL_S
     await probe(prober, session)
     assert (await catalog.snapshot()).revision == before
     refused = [r for r in caplog.records if "no longer the leader" in r.getMessage()]
-    assert [r.getMessage() for r in refused] == [
-        "not recording the loads of 3 origins: no longer the leader"
-    ]
+    assert [r.getMessage() for r in refused] == ["not recording health of o1: no longer the leader"]
     assert refused[0].exc_info is None
 
 
@@ -535,21 +469,15 @@ async def test_a_new_term_starts_from_what_the_store_holds_not_from_a_past_term(
     back: the first leader, leading again, found o1 as it had last written
     it (healthy, 9 requests) and wrote nothing, so the table held o1
     unhealthy (and its old load) for as long as it stayed as it was."""
-    catalog, _ = await one_origin(fake_origin)
-    rounds = asyncio.Event()
-    settings = ProbeSettings(rise=1, fall=1, timeout=2)
-
-    def clock() -> float:  # read once a round, after its probes
-        rounds.set()
-        return 0.0
-
-    prober = Prober(catalog, settings, clock=clock)
+    catalog, prober = await one_origin(fake_origin)
 
     async def one_term() -> None:
-        rounds.clear()
+        started = prober.rounds
         term = asyncio.create_task(prober.run())
         try:
-            await asyncio.wait_for(rounds.wait(), 10)
+            async with asyncio.timeout(10):
+                while prober.rounds == started:
+                    await asyncio.sleep(0.01)
         finally:
             term.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -856,12 +784,11 @@ async def test_a_rounds_probes_start_a_few_a_turn_of_the_loop_and_all_run_at_onc
     started: dict[str, int] = {}
     all_started = asyncio.Event()
 
-    async def probed(session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
+    async def probed(session: aiohttp.ClientSession, origin: Origin) -> None:
         started[origin.name] = turns.now
         if len(started) == count:
             all_started.set()
         await all_started.wait()  # none ends before the last starts
-        return None
 
     prober._probe = probed  # type: ignore[method-assign]
     try:
@@ -892,7 +819,7 @@ async def test_a_round_cancelled_while_its_probes_start_ends_after_those_started
     unwound: list[str] = []
     round_: asyncio.Task[None] | None = None
 
-    async def probed(session: aiohttp.ClientSession, origin: Origin) -> OriginHealth | None:
+    async def probed(session: aiohttp.ClientSession, origin: Origin) -> None:
         started.append(origin.name)
         if len(started) == 1:
             raise RuntimeError("a probe's own defect")
@@ -904,7 +831,6 @@ async def test_a_round_cancelled_while_its_probes_start_ends_after_those_started
         finally:
             await asyncio.sleep(0)  # unwinding takes turns, as a request's does
             unwound.append(origin.name)
-        return None
 
     prober._probe = probed  # type: ignore[method-assign]
     round_ = asyncio.create_task(prober.probe_all(session))

@@ -32,6 +32,8 @@ from controlplane.messages import origin_of
 from controlplane.model import Origin, OriginHealth, Region, State
 from controlplane.store.memory import MemoryStore
 from controlplane.web import _origin_row
+from dataplane.routes import build_routes
+from ponto.routetable import counts_for_spill
 from ponto.v1 import admin_pb2 as apb
 from ponto.v1 import routing_pb2 as pb
 
@@ -119,12 +121,12 @@ def test_a_passing_probes_detail_is_kept_while_healthy() -> None:
 def test_a_new_detail_of_a_passing_probe_is_written_but_not_a_failures_while_healthy() -> None:
     plain = OriginHealth("o", healthy=True)
     note = OriginHealth("o", healthy=True, detail="probe answered 401 at /health: up")
-    assert change(plain, note, 0, passed=True) == AT_ONCE
-    assert change(note, plain, 0, passed=True) == AT_ONCE  # an old first failure, cleared
-    assert change(note, note, 0, passed=True) == UNCHANGED
+    assert change(plain, note, passed=True) == AT_ONCE
+    assert change(note, plain, passed=True) == AT_ONCE  # an old first failure, cleared
+    assert change(note, note, passed=True) == UNCHANGED
     # One failed probe that does not flip health pushes no table.
     failing = OriginHealth("o", healthy=True, detail="probe answered 503 at /health")
-    assert change(plain, failing, 0, passed=False) == UNCHANGED
+    assert change(plain, failing, passed=False) == UNCHANGED
 
 
 def test_the_log_line_of_a_pass_with_a_detail_does_not_count_down_to_a_failure() -> None:
@@ -162,15 +164,17 @@ def test_an_origin_not_probed_has_no_load_measured_whatever_was_stored() -> None
     hosted = replace(HOSTED, capacity=10)
     table = compile_table(State(3, (EAST,), (hosted,), health={"hosted": busy}))
     (row,) = table.origins
-    assert (row.inflight, row.inflight_unknown, row.server_kind) == (0.0, True, "")
-    (region,) = table.regions
-    assert region.load == 0.0  # no origin's load is known: the region's is not
+    assert (row.inflight_unknown, row.server_kind, counts_for_spill(row)) == (True, "", False)
+    # Loads pushed for it (a scrape of an origin the table calls unmeasured)
+    # do not spill its region: no origin's load is known, the region's is not.
+    assert build_routes(table, "east").spilled({"hosted": 9.0}.get).hot == frozenset()
     listed = origin_pb(hosted, busy)
     assert (listed.inflight, listed.inflight_unknown, listed.server_kind) == (0.0, True, "")
     probed = compile_table(
         State(3, (EAST,), (replace(hosted, probe=True),), health={"hosted": busy})
     )
-    assert probed.origins[0].inflight == 9.0 and probed.regions[0].load == 0.9
+    assert counts_for_spill(probed.origins[0])
+    assert build_routes(probed, "east").spilled({"hosted": 9.0}.get).hot == {"east"}
 
 
 async def test_probing_off_forgets_the_stored_verdict_and_calls_nothing() -> None:

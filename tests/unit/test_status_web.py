@@ -166,9 +166,13 @@ def web_of(plane: Plane, **kwargs: object) -> StatusWeb:
     )
 
 
+# The leader's scrape of o-eu: 4 requests of its capacity 10.
+EU_SCRAPE = pb.OriginLoads(generation=1, loads=[pb.OriginLoad(origin="o-eu", running=4)])
+
+
 @pytest.fixture
 async def client(plane: Plane) -> AsyncIterator[TestClient]:  # type: ignore[type-arg]
-    async with TestClient(TestServer(web_of(plane).app())) as c:
+    async with TestClient(TestServer(web_of(plane, loads=lambda: EU_SCRAPE).app())) as c:
         yield c
 
 
@@ -1611,7 +1615,10 @@ async def test_with_the_store_away_the_status_shows_the_latest_table(
     unavailable since when, and has null (not known, not none) for what
     etcd alone holds: proxies, replicas, the leader, rates."""
     suspended = {"tenants": [{"name": "acme", "reason": "unpaid", "since": 5.0}]}
-    web = web_of(plane, suspensions=lambda: None)
+    fresh: list[pb.OriginLoads | None] = [EU_SCRAPE]
+    web = web_of(
+        plane, suspensions=lambda: None, loads=lambda: fresh[0], last_loads=lambda: EU_SCRAPE
+    )
     monkeypatch.setattr("controlplane.web.status_rows", lambda _s, _now: suspended)
     before = await web.status(1_000.0)
     assert before["state_store"] == {"available": True, "error": "", "since": None}
@@ -1620,6 +1627,7 @@ async def test_with_the_store_away_the_status_shows_the_latest_table(
         raise Unavailable("state store unavailable: etcd is away")
 
     monkeypatch.setattr(plane.catalog, "list_replicas", away)
+    fresh[0] = None  # no leader writes loads without the store: they grow old
     status = await web.status(1_010.0)
     assert status["state_store"] == {
         "available": False,
@@ -1635,7 +1643,8 @@ async def test_with_the_store_away_the_status_shows_the_latest_table(
     for region in regions.values():
         assert region["proxies"] is None
         assert region["requests_per_s"] is region["served_per_s"] is None
-    # The table's regions and origins as before the outage.
+    # The table's regions and origins as before the outage, and the load
+    # last read (the banner says so).
     known = {r["name"]: r for r in before["regions"]}
     assert regions["eu-west"]["origins"] == known["eu-west"]["origins"]
     assert regions["eu-west"]["load"] == pytest.approx(0.4)
