@@ -589,7 +589,11 @@ class OriginHealth:
 
     origin: str
     healthy: bool
-    inflight: float = 0.0  # running + waiting requests (controlplane.load)
+    # Running + waiting requests as read when the record was written (a flip
+    # of health, a new server kind), not kept current: nothing reads it for
+    # routing or for operators, who get the leader's scrape (controlplane.
+    # loadsync); a move of load alone is never written (controlplane.health).
+    inflight: float = 0.0
     detail: str = ""
     checked_at: float = 0.0
     # The server its metrics page shows (controlplane.load.KINDS); "" until
