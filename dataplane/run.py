@@ -35,6 +35,7 @@ from dataplane.settings import Settings, available_cores, parse
 from dataplane.stopsignals import LEAVE_SIGNAL, RELOAD_SIGNAL, STOP_SIGNALS, take_signals
 from dataplane.telemetry.config import TraceConfig, TraceConfigError, trace_config
 from ponto.cliargs import hostport
+from ponto.filepages import release_file_pages
 from ponto.listening import tcp_site
 from ponto.logs import setup_logging
 from ponto.version import software_version
@@ -103,6 +104,7 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     address = hostport(settings.listen_host, port)
     tune_gc()
+    releasing = asyncio.create_task(release_after(app[CLIENT].tried), name="release-file-pages")
     log.info("proxy %s (%s) listening on http://%s", settings.name, settings.region, address)
     if public_metrics(settings) and (slot is None or slot.index == 0):
         log.warning(
@@ -170,11 +172,21 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     # Answers from now on say `Connection: close` too, and a request cut at
     # the end is the proxy's doing ("cancelled"), drain or not.
     app[DRAINING].active = True
+    releasing.cancel()
     await runner.cleanup()
     if metrics_runner is not None:
         await metrics_runner[0].cleanup()
     if slot is not None:
         workers.unpublish_sockets(settings)
+
+
+async def release_after(tried: asyncio.Event) -> None:
+    """Once the control-plane link has `tried` (its first table, or its first
+    session's end), drop the file pages the start touched of the libraries'
+    code (ponto.filepages): the imports' and gRPC core's start-up, which no
+    request needs (issue 17's RSS aim; docs/architecture.md, "Memory")."""
+    await tried.wait()
+    log.debug("released %d kB of file pages touched at start", release_file_pages())
 
 
 def _handle_signals(

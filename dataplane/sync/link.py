@@ -224,6 +224,10 @@ class ControlPlaneClient:
         self.address_known = asyncio.Event()
         if info.address and not info.address.endswith(":0"):
             self.address_known.set()
+        # Set once the first session has applied a table, or ended without
+        # one: the link has opened its first channel (gRPC core starts
+        # there, touching much of its code once) and done its first work.
+        self.tried = asyncio.Event()
 
     def set_version(self, version: str) -> None:
         """The software version this proxy registers with (read at start)."""
@@ -357,6 +361,7 @@ class ControlPlaneClient:
                     log.exception("control-plane link to %s failed; retrying", address)
             finally:
                 self.connected = False
+                self.tried.set()
                 if self._on_lost is not None:
                     self._on_lost()
             # A stream that brought a table and then ended (every end but the
@@ -557,6 +562,7 @@ class ControlPlaneClient:
                     if update.HasField("table"):
                         got_table = self._had_table = True
                         outbox.put_nowait(self._handle(reg.session_id, update))
+                        self.tried.set()
                         foreign = self._foreign(update.table, address, foreign)
                     if foreign:
                         continue

@@ -424,3 +424,33 @@ async def test_sessions_cut_just_after_their_table_back_off() -> None:
     waits = await waits_against(CutRouting([]), 5, backoff_max=8.0, monotonic=lambda: 0.0)
     # Full jitter over a backoff doubling from the minimum to the maximum.
     assert waits == [1.0, 1.5, 2.5, 4.5, 4.5]
+
+
+async def test_the_link_has_tried_once_its_first_table_is_applied_or_first_session_ended() -> None:
+    """`tried` (the proxy then drops the file pages its start touched): set by
+    the first table while its stream stays open, and by a session that ends
+    without one (no control plane listening)."""
+    server = grpc.aio.server()
+    routing = ScriptedRouting([loads(1, 1.0), pb.RouteUpdate(table=table(3), nonce="n1")])
+    server.add_generic_rpc_handlers((routing.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    holder = TableHolder("east", None)
+    info = pb.ProxyInfo(name="p1", region="east", address="127.0.0.1:9", version="test")
+    link = ControlPlaneClient(holder, [f"127.0.0.1:{port}"], info)
+    alone = ControlPlaneClient(TableHolder("east", None), ["127.0.0.1:9"], info)
+    assert not link.tried.is_set()
+    tasks = [asyncio.create_task(link.run()), asyncio.create_task(alone.run())]
+    try:
+        async with asyncio.timeout(WAIT):
+            await link.tried.wait()
+            assert holder.routes is not None  # applied, not merely received
+            assert link.loads_generation == 1
+            assert link.connected  # the stream is open yet
+            await alone.tried.wait()
+            assert not alone.connected
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop(0)
