@@ -80,6 +80,9 @@ async def _serve(settings: Settings, tracer: RequestTracer | None = None) -> Non
     leaving, hurry = asyncio.Event(), asyncio.Event()
     slot = settings.worker
     _handle_signals(stop, leaving, hurry, slot is not None)
+    # The imports' pages first, before building the app adds to the RSS: the
+    # peak since start (VmHWM) is then the imports' end, not the first table's.
+    release_file_pages()
     app = build_app(settings, tracer)
     if slot is not None:
         app.middlewares.append(workers.group_views(slot, settings.workers))
