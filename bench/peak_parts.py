@@ -10,7 +10,8 @@ storing every answer, from compiled bytecode) with a probe loaded beside it
 so it adds nothing to the request path). The probe reports twice, at idle and
 once the load has stopped (the cache full, the peak just reached):
 
-- RSS and its parts (smaps_rollup: anonymous, file pages);
+- RSS and its parts (smaps_rollup: anonymous, file pages), and the files
+  whose pages are resident the most (smaps, by file name);
 - glibc's heap (mallinfo2: bytes in use, free inside the heap, mmapped);
 - pymalloc (sys._debugmallocstats: arenas, bytes in used blocks, free pools);
 - the objects the collector tracks, by type (the largest counts), and
@@ -105,12 +106,27 @@ def _pymalloc():
     return out
 
 
+def _files():
+    # Resident kB of each file mapped (all its mappings), the largest first.
+    out, name = Counter(), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            key, _, rest = line.partition(" ")
+            if not key.endswith(":"):
+                path = line.split(maxsplit=5)[5:]
+                name = path[0].strip().rsplit("/", 1)[-1] if path and path[0][0] == "/" else None
+            elif key == "Rss:" and name:
+                out[name] += int(rest.split()[0])
+    return out.most_common(8)
+
+
 def _report():
     mi = _libc.mallinfo2()
     rep = {
         "rss_kb": _rss(),
         "rollup_kb": _kb("/proc/self/smaps_rollup",
                          ("Rss", "Anonymous", "Private_Dirty", "Shared_Clean", "Private_Clean")),
+        "file_pages_kb": _files(),
         "malloc": {"heap": mi.arena, "in_use": mi.uordblks, "free": mi.fordblks,
                    "mmapped": mi.hblkhd, "top_free": mi.keepcost},
         "pymalloc": _pymalloc(),

@@ -29,6 +29,9 @@ def test_the_probe_reports_each_part_when_asked(tmp_path: Path) -> None:
         child.wait()
     assert report["rss_kb"]["VmRSS"] > 0
     assert report["rollup_kb"]["Anonymous"] > 0
+    files = dict(report["file_pages_kb"])
+    assert any(name.startswith(("libpython", "python", "libc.so")) for name in files), files
+    assert all(kb > 0 for kb in files.values())
     assert report["malloc"]["heap"] > 0
     pymalloc = report["pymalloc"]
     assert pymalloc["arenas allocated current"] > 0
