@@ -690,12 +690,21 @@ TOOL_CALL = typed(
     closed=True,
 )
 
+# A turn's content may be null or left out, in every role: vLLM takes a turn
+# without one (its CustomChatCompletionMessageParam) and reads null as none
+# (chat_utils: `if content is None: content = []`), as an empty text. An
+# assistant turn of reasoning alone (`"content": null, "reasoning": "..."`),
+# or one cut at max_tokens while it thought, comes back so in an agent's
+# next request (a new user's trial: refused missing_required_parameter
+# unless it held tool calls, audio or a refusal). Nothing the proxy reads
+# needs a content: the estimate counts none as no text, the cache key keeps
+# null and absent as sent, and the semantic layer has no text to match.
 _MESSAGE_FIELDS: dict[str, Check] = {"content": CHAT_CONTENT, "name": any_string}
 _ROLE = enum("system", "assistant", "user", "function", "tool", "developer")
 _ROLES: dict[str, Check] = {
-    "system": obj(_MESSAGE_FIELDS, required=("content",)),
-    "developer": obj(_MESSAGE_FIELDS, required=("content",)),
-    "user": obj(_MESSAGE_FIELDS, required=("content",)),
+    "system": obj(_MESSAGE_FIELDS),
+    "developer": obj(_MESSAGE_FIELDS),
+    "user": obj(_MESSAGE_FIELDS),
     "assistant": obj(
         {
             **_MESSAGE_FIELDS,
@@ -708,9 +717,7 @@ _ROLES: dict[str, Check] = {
             "function_call": FUNCTION_CALL,
         }
     ),
-    "tool": obj(
-        {**_MESSAGE_FIELDS, "tool_call_id": any_string}, required=("content", "tool_call_id")
-    ),
+    "tool": obj({**_MESSAGE_FIELDS, "tool_call_id": any_string}, required=("tool_call_id",)),
     "function": obj({"content": any_string, "name": any_string}, required=("name",)),
 }
 
@@ -742,19 +749,6 @@ def _message(value: Any) -> None:
             raise _step(bad, ".role") from None
     else:
         rule(value)
-    # An assistant turn says something: a content, tool calls, (OpenAI's
-    # multi-turn audio) the id of an audio answer it gave, which then holds
-    # its words (trial 51: refused, though the SDK sends such turns as given),
-    # or the refusal it answered with content null (review 201).
-    if (
-        role == "assistant"
-        and value.get("content") is None
-        and value.get("tool_calls") is None
-        and value.get("function_call") is None
-        and value.get("audio") is None
-        and value.get("refusal") is None
-    ):
-        raise _missing("content")
 
 
 def _messages(value: Any) -> None:

@@ -288,6 +288,38 @@ async def test_deep_json_is_a_400_in_any_field(proxy: Proxy, depth: int) -> None
         assert "levels deep" in err["message"]
 
 
+# ---------------------------------------------------------------- what vLLM takes
+
+# Turns of a new user's agent (the openai SDK and LangChain against vLLM),
+# which the proxy refused: each reaches the origin byte for byte.
+VLLM_TAKES = {
+    # A reasoning model's turn cut at max_tokens while it thought: no content.
+    "reasoning-only-turn": [
+        {"role": "user", "content": "Plan my trip."},
+        {"role": "assistant", "content": None, "reasoning": "First the dates..."},
+        {"role": "user", "content": "Go on."},
+    ],
+    "no-content-in-any-role": [
+        {"role": "system", "content": None},
+        {"role": "developer"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant"},
+        {"role": "tool", "tool_call_id": "c1", "content": None},
+        {"role": "user"},
+    ],
+}
+
+
+@pytest.mark.parametrize("messages", list(VLLM_TAKES.values()), ids=list(VLLM_TAKES))
+async def test_what_vllm_takes_reaches_the_origin_unchanged(
+    proxy: Proxy, messages: list[dict[str, Any]]
+) -> None:
+    raw = orjson.dumps({"model": MODEL, "messages": messages})
+    resp = await proxy.post("/v1/chat/completions", raw)
+    assert resp.status == 200, await resp.text()
+    assert proxy.seen == [("/v1/chat/completions", raw)]
+
+
 # ---------------------------------------------------------------- generated requests
 
 text = st.text(max_size=12)
@@ -319,7 +351,7 @@ tool_call = st.builds(
 plain_turn = st.builds(
     lambda role, c: {"role": role, "content": c},
     st.sampled_from(["system", "developer", "user", "assistant"]),
-    content,
+    content | st.none(),  # null: none, as vLLM reads it
 )
 
 
