@@ -248,12 +248,13 @@ BAD_MESSAGES: list[object] = [
     1,
     "hi",
     {"role": "wizard", "content": "x"},
-    {"role": "user"},
+    {"role": "user", "name": 5},  # a content left out is none, as vLLM reads it
     {"content": "x"},
     {"role": "user", "content": 5},
     {"role": "user", "content": [{"type": "text"}]},
     {"role": "user", "content": [{"type": "text", "text": 5}]},
-    {"role": "user", "content": [{"type": "bogus", "text": "x"}]},
+    {"role": "user", "content": [{"type": 5, "text": "x"}]},  # any string type passes
+    {"role": "user", "content": [{"text": "x"}]},  # no type, nor media vLLM tells one by
     {"role": "user", "content": [{"type": "image_url", "image_url": 5}]},
     {"role": "user", "content": [5]},
     {"role": "tool", "content": "x"},

@@ -30,8 +30,9 @@ it counts with them (MAX_INT), nesting (MAX_DEPTH) and containers
 
 What passes on unchecked, for forward compatibility: fields no table names
 (an origin's extensions: vLLM's `top_k`, `guided_json`, ...); content parts
-of vLLM's own types (`video_url`, `audio_url`, ...; any other type is
-refused, as both OpenAI and vLLM refuse it); and the Responses API's input
+of any type but those below (vLLM's own, such as `thinking`, `video_url`,
+`audio_url`, and types an origin knows that vLLM does not), and vLLM's
+untyped media parts; and the Responses API's input
 items, tools and tool choices of types other than those below (its built-in
 tools, reasoning items, ...). A known type is checked in full. An explicit null in an
 optional field means "the default", as in the OpenAI API, and passes.
@@ -624,7 +625,6 @@ TOOL_CHOICE_MODE = enum("none", "auto", "required")
 
 # ------------------------------------------------ chat completions
 
-VLLM_PART_TYPES = ("audio_url", "video_url", "image_embeds", "image_pil", "input_video")
 TEXT_PART = obj({"text": any_string}, required=("text",))
 REFUSAL_PART = obj({"refusal": any_string}, required=("refusal",))
 CHAT_PART = typed(
@@ -661,15 +661,53 @@ CHAT_PART = typed(
             required=("file",),
         ),
         "refusal": REFUSAL_PART,
-        # vLLM's multimodal parts, passed on as its own parser reads them.
-        **dict.fromkeys(VLLM_PART_TYPES, any_object),
     },
-    closed=True,  # vLLM refuses a part type it does not know, and so does OpenAI
+    # Any other type is passed on unread: vLLM's own (`thinking`,
+    # `tool_reference`, `input_text`, `input_image`, `video_url`,
+    # `audio_url`, `image_embeds`, `prompt_embeds`, ...; a new user's trial
+    # had `thinking` refused) grow with each release, and another origin may
+    # know a type vLLM does not. The cache keys such a part whole, as sent
+    # (its canonical JSON: another part is another entry), the semantic
+    # layer takes it for no text (it stays in the namespace, so a hit needs
+    # the same part), and the estimate counts a `thinking` part's text and
+    # nothing of a type it does not know (settled after the call).
+    closed=False,
 )
+# vLLM's parts without a `type`, told by the media they carry (chat_utils'
+# _parse_chat_message_content_mm_part), and any part with a `uuid`, which
+# names media vLLM already holds (its value may then be null): passed on.
+# A part with neither is refused, as vLLM refuses it ("Missing 'type'").
+VLLM_UNTYPED_KEYS: Final = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
+
+
+def _chat_part(value: Any) -> None:
+    """One part of a chat content array: a string (vLLM reads it as a text
+    part), one of vLLM's untyped or uuid parts, or a part by its type."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, dict):
+        raise _wrong_type("a string or an object", value)
+    if value.get("uuid") is not None or (
+        value.get("type") is None and any(map(value.__contains__, VLLM_UNTYPED_KEYS))
+    ):
+        return
+    CHAT_PART(value)
+
+
 CHAT_CONTENT = either(
     any_string,
     # An empty array is an empty text, as vLLM reads it (OpenAI refuses it).
-    array(CHAT_PART, expected=OBJECTS),
+    array(_chat_part, expected=OBJECTS),
     expected="one of a string or array of objects",
 )
 

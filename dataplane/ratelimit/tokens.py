@@ -86,8 +86,15 @@ def _part_tokens(part: dict[str, Any]) -> int:
     may name a `file_id` instead), audio (`input_audio`; vLLM's `audio_url`),
     a video (vLLM's `video_url`: one image, as its count depends on how many
     frames the model samples, which the proxy does not know), or a file
-    (chat's `file`, a Responses `input_file`); 0 for any other."""
+    (chat's `file`, a Responses `input_file`); 0 for any other, such as a
+    type the proxy does not know (passed on unread: fields.CHAT_PART). vLLM's
+    untyped parts, and its parts naming held media by `uuid`, are of the
+    kind of the media they carry (whose value is null when vLLM holds it)."""
     kind = part.get("type")
+    if kind is None or part.get("uuid") is not None:
+        kind = next((k for k in _UNTYPED_KINDS if k in part), kind)
+        if kind in _UNTYPED_KINDS and part.get(kind) is None:
+            return IMAGE_DEFAULT  # held media, unseen: one image's, as a URL not fetched
     image = part.get("image_url")
     if image is not None or kind == "input_image":
         detail = image.get("detail") if isinstance(image, dict) else part.get("detail")
@@ -109,6 +116,10 @@ def _part_tokens(part: dict[str, Any]) -> int:
     return 0
 
 
+# The media an untyped vLLM part may carry that the estimate charges.
+_UNTYPED_KINDS: Final = ("image_url", "input_audio", "audio_url", "video_url")
+
+
 def estimate_text_tokens(text: str) -> int:
     """About four characters per token, rounded up."""
     return (len(text) + 3) >> 2
@@ -127,6 +138,11 @@ def _content_chars(content: Any) -> tuple[int, int]:
                 text = part.get("text")
                 if isinstance(text, str):
                     chars += len(text)
+                    continue
+                # vLLM's `thinking` part: its text goes into the prompt.
+                thought = part.get("thinking")
+                if isinstance(thought, str):
+                    chars += len(thought)
                     continue
                 flat += _part_tokens(part)
     return chars, flat

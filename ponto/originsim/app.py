@@ -882,7 +882,8 @@ def _stream_flags(body: dict[str, object]) -> tuple[bool, bool]:
 
 
 def _content_text(content: object, param: str) -> str:
-    """Return the text of a chat message content: a string, null, or a list of parts."""
+    """Return the text of a chat message content: a string, null, or a list of
+    parts (strings or objects, as vLLM takes them)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -890,8 +891,11 @@ def _content_text(content: object, param: str) -> str:
     if isinstance(content, list):
         texts: list[str] = []
         for part in content:
+            if isinstance(part, str):  # vLLM reads a string part as a text part
+                texts.append(part)
+                continue
             if not isinstance(part, dict):
-                raise _ApiError(400, f"'{param}' parts must be objects.", param=param)
+                raise _ApiError(400, f"'{param}' parts must be strings or objects.", param=param)
             # Non-text parts (images, audio) carry no words to count.
             if part.get("type") == "text":
                 text = part.get("text")

@@ -225,6 +225,39 @@ async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_i
     assert stack.origin_requests() == 2
 
 
+async def test_a_part_of_a_type_the_proxy_does_not_read_is_sent_as_is_and_keyed_whole(
+    stack: Stack,
+) -> None:
+    # A new user's trial: vLLM's `thinking` part, and any type but OpenAI's,
+    # was refused, and so was a string part (vLLM's text). Passed on unread,
+    # such a part is keyed by all it holds: one that differs anywhere is
+    # another entry, never another's answer.
+    def turn(thought: str, extra: dict[str, Any]) -> dict[str, Any]:
+        parts = [{"type": "thinking", "thinking": thought}, {"type": "text", "text": "Hi."}]
+        asked = [{"type": "text", "text": "and now?"}, "See:", {"type": "x-origin", **extra}]
+        return chat(
+            "",
+            messages=[
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": parts},
+                {"role": "user", "content": asked},
+            ],
+        )
+
+    first = await stack.post(turn("greet", {"x": [1]}))
+    assert first.status == 200, await first.text()
+    assert first.headers["x-ponto-cache"] == "miss"
+    assert last_request(stack)["body"] == turn("greet", {"x": [1]})
+    again = await stack.post(turn("greet", {"x": [1]}))
+    assert again.headers["x-ponto-cache"] == "hit"
+    for other in (turn("greet", {"x": [2]}), turn("greet", {}), turn("wave", {"x": [1]})):
+        resp = await stack.post(other)
+        assert resp.status == 200
+        assert resp.headers["x-ponto-cache"] == "miss"
+        assert last_request(stack)["body"] == other
+    assert stack.origin_requests() == 4
+
+
 async def test_a_stream_asked_for_usage_holds_its_body_once_as_bytes(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -299,6 +299,32 @@ VLLM_TAKES = {
         {"role": "assistant", "content": None, "reasoning": "First the dates..."},
         {"role": "user", "content": "Go on."},
     ],
+    # Parts of vLLM's own types and forms, and of a type only an origin knows.
+    "parts-of-any-type": [
+        {
+            "role": "user",
+            "content": [
+                "Look:",
+                {"type": "input_text", "text": "this"},
+                {"type": "input_image", "image_url": "https://x/y.png"},
+                {"image_url": {"url": "https://x/z.png"}, "uuid": "img-2"},
+                {"type": "image_url", "image_url": None, "uuid": "img-1"},
+                {"type": "x-origin-part", "x": [1]},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Hm.", "closed": True},
+                {"type": "text", "text": "A cat."},
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "tool_reference", "name": "get_weather"}],
+        },
+    ],
     "no-content-in-any-role": [
         {"role": "system", "content": None},
         {"role": "developer"},
@@ -337,6 +363,10 @@ parts = st.one_of(
         text,
         st.sampled_from(["wav", "mp3"]),
     ),
+    # vLLM's string and `thinking` parts, and a type only an origin knows.
+    text,
+    st.builds(lambda t: {"type": "thinking", "thinking": t}, text),
+    st.builds(lambda t: {"type": "x-origin", "x": t}, text),
 )
 content = text | st.lists(parts, max_size=3)
 tool_call = st.builds(

@@ -193,6 +193,22 @@ GOOD = [
                           ("tool", {"tool_call_id": "c1"}), ("function", {"name": "f"})]],
     ("chat.completions", chat(messages=[{"role": "system"}, {"role": "user"},
                                         {"role": "tool", "tool_call_id": "c1"}])),
+    # Parts of any type pass (vLLM's, and others an origin may know), and
+    # vLLM's: a string, an untyped part told by its media, one naming media
+    # vLLM holds by its uuid (a new user's trial: `thinking` was refused).
+    ("chat.completions", chat(messages=[
+        {"role": "user", "content": [
+            "Look:", {"type": "input_text", "text": "this"},
+            {"type": "input_image", "image_url": "https://x/y.png"},
+            {"image_url": {"url": "https://x/z.png"}, "uuid": "img-2"},
+            {"type": "image_url", "image_url": None, "uuid": "img-1"},
+            {"uuid": "img-3"}, {"video_url": "https://x/v.mp4"},
+            {"type": "x-origin-part", "x": [1]}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Hm.", "closed": True},
+            {"type": "text", "text": "A cat."}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [
+            {"type": "tool_reference", "name": "get_weather"}]}])),
     # An empty content array is an empty text to vLLM; `functions: []` none.
     ("chat.completions", chat(messages=[{"role": "user", "content": []}], functions=[])),
     ("embeddings", embedding(input=["x"] * 2049)),
@@ -288,9 +304,12 @@ BAD = [
      "messages[0].content[0].type", M),
     (C, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      "messages[0].content[0].text", M),
-    (C, chat(messages=[{"role": "user", "content": ["x"]}]), "messages[0].content[0]", T),
-    (C, chat(messages=[{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]),
-     "messages[0].content[0].type", V),  # neither OpenAI's nor vLLM's
+    (C, chat(messages=[{"role": "user", "content": [5]}]), "messages[0].content[0]", T),
+    (C, chat(messages=[{"role": "user", "content": [{"type": 5}]}]),
+     "messages[0].content[0].type", T),
+    # No type, no uuid and no media vLLM tells a part by: vLLM refuses it too.
+    (C, chat(messages=[{"role": "user", "content": [{"uuid": None, "name": "f"}]}]),
+     "messages[0].content[0].type", M),
     (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].image_url.url", M),
     (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": ""}]}]),

@@ -739,6 +739,22 @@ def test_vllm_audio_and_video_parts_are_charged() -> None:
     assert _one_part("chat.completions", {"type": "audio_url", "audio_url": 5}) == 0
 
 
+def test_vllm_thinking_untyped_and_held_media_parts_are_charged() -> None:
+    # A `thinking` part's text goes into the prompt as text (vLLM's
+    # chat_utils): 8 characters, 2 tokens. It counted nothing.
+    assert _one_part("chat.completions", {"type": "thinking", "thinking": "x" * 8}) == 2
+    # An untyped part is of the media it carries; one naming media vLLM holds
+    # by its uuid (its value null) is one image's, as a URL not fetched.
+    untyped = {"image_url": {"url": "https://x/a.png", "detail": "low"}}
+    assert _one_part("chat.completions", untyped) == 85
+    assert _one_part("chat.completions", {"uuid": "img-1", "image_url": None}) == 765
+    held = {"type": "video_url", "video_url": None, "uuid": "v-1"}
+    assert _one_part("chat.completions", held) == 765
+    # A type the proxy does not know counts nothing, whatever it holds.
+    for odd in ({"type": "x-origin", "x-origin": [1, {}]}, {"type": None}, {"type": [1]}):
+        assert _one_part("chat.completions", odd) == 0
+
+
 def test_a_file_is_charged_an_image_per_64_kib_and_at_least_one_image() -> None:
     data = "data:application/pdf;base64," + "A" * 873_786  # about 640 KiB
     chat = {"type": "file", "file": {"file_data": data, "filename": "a.pdf"}}
