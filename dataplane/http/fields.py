@@ -612,9 +612,18 @@ STOP = either(
 # reasoning effort none to xhigh; verbosity low, medium, high; new ones come,
 # and other servers take their own). Responses' `reasoning.effort` and
 # `text.verbosity` are the same settings. An enum the proxy acts on keeps its
-# values: a tool choice's mode, a part's, tool's or response_format's type,
-# a role, an image's detail and input audio's format (both estimated).
+# values: a tool choice's mode, a tool's or response_format's type, a role.
 SERVICE_TIER = any_string
+# An image's `detail` and input audio's `format`, which only the estimate
+# reads (dataplane.ratelimit.tokens): any string. The SDK types detail
+# "auto", "low", "high" and "original" (a new user's trial: "original" was
+# refused), vLLM ignores it, and its audio takes any format its decoder
+# reads. A value the estimate does not know is charged the larger figure
+# (an image as at auto/high, not low: "original" is full size, no fewer
+# tiles than high; audio at the low bitrate, so a clip counts long), and the
+# origin's count settles it.
+DETAIL = any_string
+AUDIO_FORMAT = any_string
 REASONING_EFFORT = any_string
 VERBOSITY = any_string
 STREAM_OPTIONS = obj({"include_usage": boolean, "include_obfuscation": boolean})
@@ -639,7 +648,7 @@ CHAT_PART = typed(
                 "image_url": either(
                     non_empty_string,
                     obj(
-                        {"url": non_empty_string, "detail": enum("auto", "low", "high")},
+                        {"url": non_empty_string, "detail": DETAIL},
                         required=("url",),
                     ),
                     expected="a string or an object",
@@ -651,7 +660,7 @@ CHAT_PART = typed(
         "input_audio": obj(
             {
                 "input_audio": obj(
-                    {"data": any_string, "format": enum("wav", "mp3")}, required=("data", "format")
+                    {"data": any_string, "format": AUDIO_FORMAT}, required=("data", "format")
                 )
             },
             required=("input_audio",),
@@ -890,7 +899,7 @@ RESPONSE_PART = typed(
             {
                 "image_url": non_empty_string,
                 "file_id": any_string,
-                "detail": enum("auto", "low", "high"),
+                "detail": DETAIL,
             }
         ),
         "input_file": obj(

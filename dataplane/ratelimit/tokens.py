@@ -21,8 +21,9 @@ from dataplane import jsonio
 PER_MESSAGE = 4  # role and separators that every chat message adds
 PER_REQUEST = 3  # the primer of the assistant's reply
 # Images are charged by size. Without decoding them, assume a 1024 px square
-# at "auto"/"high" detail (85 base + 170 for each of 4 tiles); the correction
-# after the call settles the difference.
+# at "auto"/"high" detail (85 base + 170 for each of 4 tiles), and so at any
+# detail but "low" ("original", full size, has no fewer tiles than "high");
+# the correction after the call settles the difference.
 IMAGE_LOW = 85
 IMAGE_DEFAULT = 765
 # Audio is charged by its length, at OpenAI's published rate for input audio

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import yarl
 from aiohttp import web
@@ -223,6 +224,29 @@ async def test_a_plain_string_image_url_is_taken_as_vllm_takes_it_and_keyed_by_i
     assert other.status == 200
     assert other.headers["x-ponto-cache"] == "miss"
     assert stack.origin_requests() == 2
+
+
+async def test_the_sdks_original_detail_and_a_reasoning_only_turn_reach_the_origin(
+    stack: Stack,
+) -> None:
+    # A new user's trial with the openai SDK 3.51 (whose types have detail
+    # "original") against vLLM, refused by the proxy alone.
+    image = {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "original"}}
+    messages: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]},
+        {"role": "assistant", "content": None, "reasoning": "A cat, or a fox..."},
+        {"role": "user", "content": "Go on."},
+    ]
+    url = str(stack.client.make_url("/v1"))
+    async with openai.AsyncOpenAI(base_url=url, api_key=KEY.key, max_retries=0) as client:
+        answer = await client.chat.completions.create(model=MODEL, messages=messages)
+        assert answer.choices[0].message.content
+        assert last_request(stack)["body"]["messages"] == messages
+        part = {"type": "input_image", "image_url": "https://x/a.png", "detail": "original"}
+        items: list[Any] = [{"role": "user", "content": [part]}]
+        said = await client.responses.create(model=MODEL, input=items)
+        assert said.status == "completed"
+        assert last_request(stack)["body"]["input"][0]["content"] == [part]
 
 
 async def test_a_part_of_a_type_the_proxy_does_not_read_is_sent_as_is_and_keyed_whole(

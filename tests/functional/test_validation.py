@@ -325,6 +325,16 @@ VLLM_TAKES = {
             "content": [{"type": "tool_reference", "name": "get_weather"}],
         },
     ],
+    # Any detail and audio format: the SDK types detail "original".
+    "detail-original": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "https://x/a", "detail": "original"}},
+                {"type": "input_audio", "input_audio": {"data": "UklG", "format": "flac"}},
+            ],
+        },
+    ],
     "no-content-in-any-role": [
         {"role": "system", "content": None},
         {"role": "developer"},

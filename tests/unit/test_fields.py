@@ -209,6 +209,13 @@ GOOD = [
             {"type": "text", "text": "A cat."}]},
         {"role": "tool", "tool_call_id": "c1", "content": [
             {"type": "tool_reference", "name": "get_weather"}]}])),
+    # An image's detail and audio's format are any string, as for the origin:
+    # the SDK types detail "original" (a new user's trial: refused).
+    ("chat.completions", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "original"}},
+        {"type": "input_audio", "input_audio": {"data": "A", "format": "ogg"}}]}])),
+    ("responses", response(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://x/y.png", "detail": "original"}]}])),
     # An empty content array is an empty text to vLLM; `functions: []` none.
     ("chat.completions", chat(messages=[{"role": "user", "content": []}], functions=[])),
     ("embeddings", embedding(input=["x"] * 2049)),
@@ -317,11 +324,11 @@ BAD = [
     (C, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]),
      "messages[0].content[0].image_url", T),
     (C, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}]),
-     "messages[0].content[0].image_url.detail", V),
+        {"type": "image_url", "image_url": {"url": "u", "detail": 1}}]}]),
+     "messages[0].content[0].image_url.detail", T),
     (C, chat(messages=[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "A", "format": "ogg"}}]}]),
-     "messages[0].content[0].input_audio.format", V),
+        {"type": "input_audio", "input_audio": {"data": "A", "format": ["wav"]}}]}]),
+     "messages[0].content[0].input_audio.format", T),
     (C, chat(messages=[{"role": "user", "content": [{"type": "file", "file": "x"}]}]),
      "messages[0].content[0].file", T),
     (C, chat(messages=[{"role": "assistant", "content": [{"type": "refusal"}]}]),

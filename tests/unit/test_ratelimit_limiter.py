@@ -703,6 +703,13 @@ def test_a_responses_input_image_keeps_its_detail_on_the_part_and_may_name_a_fil
     assert _one_part("responses", low) == 85
     assert _one_part("responses", {"type": "input_image", "file_id": "file-1"}) == 765
     assert _one_part("responses", {"type": "input_image", "file_id": "f", "detail": "low"}) == 85
+    # A detail the estimate does not know ("original": full size) is charged
+    # as auto/high, the larger figure, not as low.
+    for detail in ("original", "x"):
+        wide = {"type": "input_image", "image_url": "https://x/a.png", "detail": detail}
+        assert _one_part("responses", wide) == 765
+        chat = {"type": "image_url", "image_url": {"url": "https://x", "detail": detail}}
+        assert _one_part("chat.completions", chat) == 765
     # vLLM's plain-string image_url in chat counts as the object form does.
     assert _one_part("chat.completions", {"type": "image_url", "image_url": "https://x"}) == 765
 
