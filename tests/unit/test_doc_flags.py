@@ -224,3 +224,18 @@ def test_the_defaults_the_prose_states_are_the_parsers() -> None:
         if program is not None and (default := _defaults(PARSERS[program])[flag]) != value
     ]
     assert wrong == []
+
+
+def test_the_proxys_flags_page_names_every_flag_it_takes() -> None:
+    """docs/proxy-flags.md, to which the README's Commands table sends
+    readers of ponto-proxy's flags, names every one `--help` shows."""
+    page = (ROOT / "docs" / "proxy-flags.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(--[a-z0-9-]+)", page))
+    shown = {
+        flag
+        for action in PARSERS["ponto-proxy"]._actions
+        if action.help != argparse.SUPPRESS
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
+    assert shown - named == set()
