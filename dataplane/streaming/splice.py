@@ -342,14 +342,17 @@ def continuation_body(
         if not isinstance(messages, list):
             return None
         last = messages[-1] if messages else None
+        said = last.get("content", "") if isinstance(last, dict) else None
         if (
             body.get("continue_final_message") is True
             and isinstance(last, dict)
             and last.get("role") == "assistant"
-            and isinstance(last.get("content"), str)
+            and (said is None or isinstance(said, str))
         ):
-            # The client's own prefill: the partial text continues it.
-            out["messages"] = [*messages[:-1], {**last, "content": last["content"] + partial}]
+            # The client's own prefill: the partial text continues it. A
+            # content null or left out is an empty one, as vLLM reads it (a
+            # turn of reasoning alone, continued).
+            out["messages"] = [*messages[:-1], {**last, "content": (said or "") + partial}]
         else:
             out["messages"] = [*messages, {"role": "assistant", "content": partial}]
         out["continue_final_message"] = True

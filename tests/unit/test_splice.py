@@ -235,6 +235,25 @@ def test_a_clients_own_prefill_is_extended_not_followed_by_a_second_message() ->
     ]
 
 
+@pytest.mark.parametrize("thought", [{"content": None}, {}])
+def test_a_prefill_without_content_is_extended_as_an_empty_one(thought: dict[str, Any]) -> None:
+    # vLLM reads a null or absent content as empty and continues that turn
+    # (its reasoning kept): a second assistant turn after it is another prompt.
+    state = read_state(transcript(chunk("Paris.")), CHAT)
+    assert state is not None
+    turn = {"role": "assistant", "reasoning": "The capital...", **thought}
+    body = {
+        "messages": [{"role": "user", "content": "Capital of France?"}, turn],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    out = continuation_body(CHAT, body, state)
+    assert out is not None
+    assert out["messages"][1:] == [
+        {"role": "assistant", "reasoning": "The capital...", "content": "Paris."}
+    ]
+
+
 @pytest.mark.parametrize("bad", [b'{"choices": [null]}', b'{"choices": [1]}', b"[1, 2]"])
 def test_a_continuation_chunk_that_is_not_one_is_a_cut_not_a_crash(bad: bytes) -> None:
     state = read_state(transcript(chunk("a")), CHAT)
