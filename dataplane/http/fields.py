@@ -706,9 +706,13 @@ def _chat_part(value: Any) -> None:
         return
     if not isinstance(value, dict):
         raise _wrong_type("a string or an object", value)
-    if value.get("uuid") is not None or (
-        value.get("type") is None and any(map(value.__contains__, VLLM_UNTYPED_KEYS))
-    ):
+    kind = value.get("type")
+    if kind is None:
+        if value.get("uuid") is not None or any(map(value.__contains__, VLLM_UNTYPED_KEYS)):
+            return
+    # A type, where there is one, is a string still: the proxy's own readers
+    # of parts (the estimate, the cache, placement) look it up.
+    elif isinstance(kind, str) and value.get("uuid") is not None:
         return
     CHAT_PART(value)
 

@@ -314,6 +314,8 @@ BAD = [
     (C, chat(messages=[{"role": "user", "content": [5]}]), "messages[0].content[0]", T),
     (C, chat(messages=[{"role": "user", "content": [{"type": 5}]}]),
      "messages[0].content[0].type", T),
+    (C, chat(messages=[{"role": "user", "content": [{"type": [1], "uuid": "img-1"}]}]),
+     "messages[0].content[0].type", T),
     # No type, no uuid and no media vLLM tells a part by: vLLM refuses it too.
     (C, chat(messages=[{"role": "user", "content": [{"uuid": None, "name": "f"}]}]),
      "messages[0].content[0].type", M),
