@@ -77,6 +77,7 @@ from dataplane.http.hold import HeldHead, Holds
 from dataplane.http.requestid import origin_request_id
 from dataplane.http.resume import (
     CONTINUABLE,
+    CUT_NOT_CONTINUED,
     Continuations,
     Finished,
     counts_finishes,
@@ -1467,7 +1468,7 @@ class Pipeline:
                 else f"{ex.endpoint.name} streams are never continued"
             )
             log.warning(
-                "origin %s cut a stream: %s; not continued: %s; %s",
+                CUT_NOT_CONTINUED,
                 name, end.cut, why, ex.request_id,
             )  # fmt: skip
         elif end.complete:

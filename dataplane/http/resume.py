@@ -53,6 +53,19 @@ log = logging.getLogger(__name__)
 # answer it generated, which a continuation elsewhere would not complete.
 CONTINUABLE = frozenset({"chat.completions", "completions"})
 
+# The log lines of a stream its origin cut after the client had bytes, one
+# per cut (ponto_stream_cuts_total counts the same cuts). The runbooks of
+# PontoOriginCuttingStreams quote them (docs/helm.md, the chart's
+# PrometheusRule); tests/unit/test_runbook_lines.py holds the quotes to these.
+CUT_CONTINUED = "stream cut on %s after %d tokens (%s); continued on %s (%d); %s"
+CUT_NOT_CONTINUED = "origin %s cut a stream: %s; not continued: %s; %s"
+ENDED_BEFORE_DONE = "origin %s ended its stream after the answer, before [DONE] (%s); ended it; %s"
+ENDED_BEFORE_USAGE = (
+    "origin %s ended its stream after the answer, before its usage (%s); "
+    "ended it with usage estimated; %s"
+)
+CUT_LINES = (CUT_CONTINUED, CUT_NOT_CONTINUED, ENDED_BEFORE_DONE, ENDED_BEFORE_USAGE)
+
 
 class _Ended:
     """A stream with nothing left to read (for an ending the proxy writes itself)."""
@@ -184,7 +197,7 @@ class Continuations:
         self._starts.append(state.tokens)
         m.continuations.labels("ok").inc()
         log.info(
-            "stream cut on %s after %d tokens (%s); continued on %s (%d); %s",
+            CUT_CONTINUED,
             name, state.tokens, cut, answer.target.name, self.count, ex.request_id,
         )  # fmt: skip
         return Next(answer.first, answer.content, splicer.rewrite, answer.target.name)
@@ -216,7 +229,7 @@ class Continuations:
     def _give_up(self, cut: str, why: str, *, outcome: str = "refused") -> None:
         self._metrics.continuations.labels(outcome).inc()
         log.warning(
-            "origin %s cut a stream: %s; not continued: %s; %s",
+            CUT_NOT_CONTINUED,
             self._current.target.name, cut, why, self._ex.request_id,
         )  # fmt: skip
 
@@ -294,16 +307,9 @@ def finished_end(
     the origin's, whole (it may be kept); with a usage the proxy made up,
     not."""
     if usage_sent or not asks_usage(ex.body):
-        log.info(
-            "origin %s ended its stream after the answer, before [DONE] (%s); ended it; %s",
-            origin, cut, ex.request_id,
-        )  # fmt: skip
+        log.info(ENDED_BEFORE_DONE, origin, cut, ex.request_id)
         return OwnEnd(b"data: [DONE]\n\n", whole=True)
-    log.info(
-        "origin %s ended its stream after the answer, before its usage (%s); "
-        "ended it with usage estimated; %s",
-        origin, cut, ex.request_id,
-    )  # fmt: skip
+    log.info(ENDED_BEFORE_USAGE, origin, cut, ex.request_id)
     return OwnEnd(_usage_chunk(head, generated, prompt, continued) + b"data: [DONE]\n\n", False)
 
 
