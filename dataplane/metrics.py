@@ -586,6 +586,50 @@ class Refusing(Collector):
         yield family
 
 
+class OriginSlowness(Collector):
+    """ponto_origin_slowness{origin} and ponto_origin_slow{origin}, read at
+    scrape time: how many times slower than its peers the proxy's placement
+    counts each origin the served table names (1 when it is not judged
+    slow), and 1 while it is judged slow (dataplane.placement.speed). Every
+    origin is exported, so an alert tells "not slow" from "absent"."""
+
+    SLOWNESS = "ponto_origin_slowness"
+    SLOWNESS_DOC = (
+        "How many times slower than its group's typical origin this proxy judges the origin "
+        "(its time to a stream's first event, or a whole answer's per token): 1 while it is "
+        "not judged slow, 8 or more while it is (placement then counts it as fuller, "
+        "docs/routing.md 'Slow replicas')"
+    )
+    SLOW = "ponto_origin_slow"
+    SLOW_DOC = "1 while this proxy judges the origin slow and moves requests off it, else 0"
+
+    def __init__(
+        self,
+        slow: Callable[[], Mapping[str, float]],
+        origins: Callable[[], Iterable[str]],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._slow = slow
+        self._origins = origins
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.SLOWNESS, self.SLOWNESS_DOC, labels=["origin"])
+        yield GaugeMetricFamily(self.SLOW, self.SLOW_DOC, labels=["origin"])
+
+    def collect(self) -> Iterator[Metric]:
+        slowness = GaugeMetricFamily(self.SLOWNESS, self.SLOWNESS_DOC, labels=["origin"])
+        judged = GaugeMetricFamily(self.SLOW, self.SLOW_DOC, labels=["origin"])
+        slow = self._slow()
+        for origin in sorted({*self._origins(), *slow}):
+            factor = slow.get(origin, 1.0)
+            slowness.add_metric([origin], factor)
+            judged.add_metric([origin], 1.0 if origin in slow else 0.0)
+        yield slowness
+        yield judged
+
+
 class InFlight(Collector):
     """ponto_requests_in_flight and ponto_streams_open, read at scrape time
     from the requests the error boundary holds (`requests`, by id(): it adds
@@ -993,6 +1037,14 @@ class Metrics:
         FleetInfo(lambda: self._fleet_id(), registry=r)  # noqa: PLW0108 - as above
         self._fleet_refusing: Callable[[], str] = str
         Refusing(lambda: self._fleet_refusing(), registry=r)  # noqa: PLW0108 - as above
+        # Set by bind_speeds: the origins the proxy judges slow, of the table's.
+        self._slow: Callable[[], Mapping[str, float]] = dict
+        self._slow_among: Callable[[], Iterable[str]] = tuple
+        OriginSlowness(
+            lambda: self._slow(),  # noqa: PLW0108 - bound later, by bind_speeds
+            lambda: self._slow_among(),  # noqa: PLW0108 - as above
+            registry=r,
+        )
         self.access_log_dropped = ReadCounter(
             "ponto_access_log_dropped",
             "Access-log lines dropped because standard output did not take them",
@@ -1449,6 +1501,14 @@ class Metrics:
         self._fleet_refused = refused
         self._fleet_id = fleet_id
         self._fleet_refusing = refusing
+
+    def bind_speeds(
+        self, slow: Callable[[], Mapping[str, float]], origins: Callable[[], Iterable[str]]
+    ) -> None:
+        """The origins judged slow (`slow`: origin -> factor, those only)
+        among those the served table names (`origins`)."""
+        self._slow = slow
+        self._slow_among = origins
 
     def bind(
         self,

@@ -61,6 +61,7 @@ from dataplane.http.state import (
 from dataplane.metrics import Metrics
 from dataplane.placement.load import LoadBoard
 from dataplane.placement.picker import Picker
+from dataplane.placement.speed import SlowWatch
 from dataplane.ratelimit.limiter import RateLimiter
 from dataplane.settings import Settings
 from dataplane.streaming.splice import TranscriptBudget
@@ -92,6 +93,9 @@ SWEEP_INTERVAL_S = 30.0
 # How often the budgets' counts are saved for a restart (QuotaState.save_counts):
 # a process killed loses at most what it spent in this long.
 COUNTS_SAVE_S = 1.0
+# How often the proxy looks for origins that became slow or recovered, to log
+# each change once: the picker reads speeds per request and logs nothing.
+SLOW_WATCH_S = 1.0
 
 # The share of --cache-max-mb the semantic index may hold; the exact store has the
 # rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
@@ -249,6 +253,8 @@ class Proxy:
         m.bind_transcripts(lambda: transcripts.held, transcripts.dropped)
         m.bind_semantic(lambda: cache.semantic)
         m.bind_fleet(lambda: dict(holder.refused), lambda: holder.fleet_id, lambda: holder.refusing)
+        self.slow_watch = SlowWatch()
+        m.bind_speeds(self.slow_origins, lambda: holder.routes.origins if holder.routes else ())
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,
             connected=lambda: 1.0 if client.connected else 0.0,
@@ -341,6 +347,7 @@ class Proxy:
             asyncio.create_task(self.client.run(), name="control-plane-link"),
             asyncio.create_task(self._sweep(), name="cache-sweeper"),
             asyncio.create_task(self._save_counts(), name="budget-counts"),
+            asyncio.create_task(self._watch_speeds(), name="slow-origins"),
         ]
         if self.semantic_feed is not None:
             self.semantic_feed.start()
@@ -375,6 +382,34 @@ class Proxy:
         while True:
             await asyncio.sleep(COUNTS_SAVE_S)
             self.quota.save_counts()
+
+    def slow_origins(self) -> dict[str, float]:
+        """The origins of the served table this proxy judges slow now, each
+        with its factor (SpeedBoard.judged); none before a table."""
+        routes = self.holder.routes
+        if routes is None:
+            return {}
+        return self.loads.speeds.judged(g for groups in routes.groups.values() for g in groups)
+
+    def tell_slow_origins(self) -> None:
+        """Log each origin that became slow since the last look, and each
+        that recovered: once a change, at INFO (placement handles it; an
+        operator may hedge its tenants, docs/streams.md)."""
+        became, recovered = self.slow_watch.changes(self.slow_origins())
+        for origin, factor in became.items():
+            log.info(
+                "origin %s judged slow: %.0fx its group's typical time (to a stream's first "
+                "event, or per token); placement moves requests off it",
+                origin,
+                factor,
+            )
+        for origin in recovered:
+            log.info("origin %s no longer judged slow", origin)
+
+    async def _watch_speeds(self) -> None:
+        while True:
+            await asyncio.sleep(SLOW_WATCH_S)
+            self.tell_slow_origins()
 
     async def _sweep(self) -> None:
         while True:

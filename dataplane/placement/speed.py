@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from dataplane.routes import Target
@@ -253,6 +253,22 @@ class SpeedBoard:
             return factor
         return max(factor, worst / typical)
 
+    def judged(self, groups: Iterable[tuple[Target, ...]]) -> dict[str, float]:
+        """The origins of `groups` that `factor` finds slow now, each with
+        its largest factor over them (an origin slow for one model's peers
+        and not for another's is slow). For what the proxy tells of them
+        (its /metrics, `SlowWatch`), read at scrape and watch time, not per
+        request; the picker's last group stays the cached one."""
+        last = self._last
+        out: dict[str, float] = {}
+        for group in groups:
+            for target in group:
+                factor = self.factor(group, target.name)
+                if factor > out.get(target.name, 1.0):
+                    out[target.name] = factor
+        self._last = last
+        return out
+
     def _entry(self, group: tuple[Target, ...]) -> _Entry:
         last = self._last
         if last[0] is group and last[1] == self.generation:
@@ -294,6 +310,24 @@ class SpeedBoard:
                         out = {}
                     out[name] = max(ratio, out.get(name, 1.0))
         return out, waited
+
+
+class SlowWatch:
+    """Which origins were judged slow at the last look, to tell each change
+    once (a log line when an origin becomes slow and when it recovers), not
+    at every request it is passed over for. One per proxy process, fed by a
+    periodic look at `SpeedBoard.judged`; single event loop."""
+
+    def __init__(self) -> None:
+        self._slow: dict[str, float] = {}
+
+    def changes(self, slow: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
+        """The origins slow in `slow` that were not at the last look (with
+        their factor), and those that were and are no longer, by name."""
+        became = {name: f for name, f in sorted(slow.items()) if name not in self._slow}
+        recovered = sorted(name for name in self._slow if name not in slow)
+        self._slow = dict(slow)
+        return became, recovered
 
 
 def output_tokens(parsed: Any) -> int:

@@ -9,12 +9,16 @@ clock is moved on rather than slept through (dataplane.placement.speed)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from dataplane.http.server import SLOW_WATCH_S
 from dataplane.http.state import PIPELINE
 from dataplane.placement.speed import DECAY_S
 from ponto.originsim.app import SimConfig
@@ -47,7 +51,31 @@ async def set_speed(stack: Stack, index: int, tokens_per_s: float) -> None:
         assert resp.status == 200
 
 
-async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Path) -> None:
+async def slow_gauges(stack: Stack) -> dict[str, float]:
+    """ponto_origin_slow by origin, from the proxy's /metrics."""
+    text = await (await stack.client.get("/metrics")).text()
+    found = re.findall(r'^ponto_origin_slow\{origin="([^"]+)"\} (\S+)$', text, re.MULTILINE)
+    return {origin: float(value) for origin, value in found}
+
+
+async def told(caplog: pytest.LogCaptureFixture, line: str) -> list[str]:
+    """The proxy's log lines that start with `line`, once one is there: the
+    proxy looks for changes once a second (SLOW_WATCH_S)."""
+    for _ in range(100):
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(line)]
+        if said:
+            return said
+        await asyncio.sleep(0.05)
+    return []
+
+
+async def test_a_slowed_replica_loses_its_sessions_and_regains_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """...and is shown as slow while it is: its gauge on /metrics, and one
+    INFO line when it became slow and one when it recovered (an SRE trial
+    found a slow origin invisible but for x-ponto-route: load)."""
+    caplog.set_level(logging.INFO, logger="dataplane.http.server")
     configs = [
         SimConfig(name=f"o{i}", tokens_per_s=2000.0, answer_tokens=10, ttft_ms=5.0)
         for i in (1, 2, 3)
@@ -79,6 +107,11 @@ async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Pa
         # The other sessions did not move.
         others = [s for s in range(SESSIONS) if s not in on_o2][:12]
         assert [(await ask(stack, s, 2))[0] for s in others] == [home[s] for s in others]
+        assert await slow_gauges(stack) == {"o1": 0.0, "o2": 1.0, "o3": 0.0}
+        slow = await told(caplog, "origin o2 judged slow")
+        await asyncio.sleep(1.5 * SLOW_WATCH_S)  # a look or two more: nothing new to tell
+        assert len(slow) == 1 and slow == await told(caplog, "origin o2 judged slow"), slow
+        assert not [r for r in caplog.records if "no longer judged slow" in r.getMessage()]
 
         # Fast again; a while later (no samples of it meanwhile) it is tried
         # again, answers as fast as its peers and keeps its sessions.
@@ -87,6 +120,8 @@ async def test_a_slowed_replica_loses_its_sessions_and_regains_them(tmp_path: Pa
         await ask(stack, others[0], 3)  # its peers answer meanwhile
         third = [await ask(stack, s, 3) for s in on_o2]
         assert all(origin == "o2" and route == "affinity" for origin, route in third), third
+        assert await slow_gauges(stack) == {"o1": 0.0, "o2": 0.0, "o3": 0.0}
+        assert len(await told(caplog, "origin o2 no longer judged slow")) == 1
     finally:
         await stack.close()
 

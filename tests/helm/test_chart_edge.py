@@ -233,6 +233,8 @@ def test_edge_alerts_read_no_control_plane_series(edge: list[Doc], helm: Path) -
         "PontoProxyDown",
         "PontoOriginFailing",
         "PontoOriginCuttingStreams",
+        "PontoOriginSlow",
+        "PontoOriginSlowFirstToken",
         "PontoProxyLoadsStale",
         "PontoHighErrorRatio",
         "PontoRegionSpilling",

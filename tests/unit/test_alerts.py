@@ -33,6 +33,8 @@ ALERTS = {
     "PontoOriginDown",
     "PontoOriginFailing",
     "PontoOriginCuttingStreams",
+    "PontoOriginSlow",
+    "PontoOriginSlowFirstToken",
     "PontoOriginLoadsStale",
     "PontoProxyLoadsStale",
     "PontoRegionDrainedTooLong",
