@@ -97,7 +97,9 @@ class Throttled(Every):
             return False
         if unlogged:
             msg, args = f"{msg} (%d more not logged)", (*args, unlogged)
-        self._log.log(level, msg, *args, exc_info=exc_info)
+        # None, not False, without one: a record's exc_info as a plain log
+        # call leaves it (what tests and handlers check for "no traceback").
+        self._log.log(level, msg, *args, exc_info=exc_info or None)
         return True
 
 

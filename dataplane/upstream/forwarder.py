@@ -170,6 +170,9 @@ BUSY = 429
 # away for hours). The client is told the soonest wait of the origins tried;
 # the origin goes last for its wait, within the outlier detector's cap (30 s).
 BUSY_DEFAULT_S = 1.0
+# A request no origin served is logged once per this long per set of origins
+# tried (Forwarder._tell), with the count of those not logged.
+UNSERVED_EVERY_S = 10.0
 BUSY_MAX_S = 60.0
 # An origin (or a proxy in front of it) that gave up waiting for the request
 # (RFC 9110: it did not receive the whole request in time): it generated
@@ -574,6 +577,8 @@ class Forwarder:
         self.stalls.usual = self.commit_times.p95
         # Per origin: one that lacks a model it is listed for (MODEL_MISSING).
         self._missing_told = ThrottledBy(log, every_s=60.0)
+        # Per set of origins tried: a request none of them served (`_tell`).
+        self._unserved_told = ThrottledBy(log, every_s=UNSERVED_EVERY_S)
         # Origins that refused the `stream_options` the proxy adds (forward's
         # `plain_body`): asked without it from then on, by this process.
         self.refuses_stream_options: set[str] = set()
@@ -784,13 +789,18 @@ class Forwarder:
             tries.first_within = min(first_chunk_within, settings.read_timeout)
         self.budget.deposit()
         outliers = self.outliers
+        candidates = outliers.order(candidates)
+        attempts = settings.max_attempts
+        # Every candidate ejected (order puts them last, so the first is): one
+        # attempt, to the nearest, not one to each. They failed in a row
+        # lately; each request calling all of them in a total outage tripled
+        # the calls to origins that may be coming back, and the 502's wait.
+        # The first whose ejection ends is tried first again (docs/routing.md,
+        # "When every origin fails").
+        if candidates and outliers.ejected(candidates[0].name) and outliers.all_ejected(candidates):
+            attempts = 1
         ordered = list(
-            attempt_order(
-                outliers.order(candidates),
-                settings.max_attempts,
-                outliers.passed_over,
-                hedged=hedge is not None,
-            )
+            attempt_order(candidates, attempts, outliers.passed_over, hedged=hedge is not None)
         )
         answer = None
         try:
@@ -891,12 +901,16 @@ class Forwarder:
         if not (tries.not_served and tries.not_served + tries.model_missing == tries.failed):
             # (A request no origin serves is the client's: its refusal's line
             # tells it, and _failed told each origin's 501 once a minute.)
+            # Once per UNSERVED_EVERY_S per set of origins tried: in an outage
+            # every request fails alike, and each one's access line has its id,
+            # status and attempts already (SRE game-day: a line per request).
             self._tell(
                 tries,
                 "no origin could serve %s after %d attempt(s): %s",
                 headers["x-request-id"],
                 len(failures),
                 "; ".join(failures) or "no candidate",
+                key=",".join(sorted(t.name for t in ordered[: tries.made])),
             )
         if tries.too_large:
             error = upstream_too_large(settings.max_answer_bytes)
@@ -917,6 +931,9 @@ class Forwarder:
             error = upstream_error_answer(tries.shown)
         else:
             error = upstream_unavailable(_what_failed(tries))
+            error.headers["retry-after"] = str(
+                retry_after(outliers.back_in(t.name for t in ordered[: tries.made]))
+            )
         error.attempts = tries.made
         error.spent = tries.worked
         try:
@@ -926,19 +943,25 @@ class Forwarder:
             # for a document): a cycle only a full garbage collection frees.
             del error
 
-    def _tell(self, tries: _Tries, line: str, *args: object) -> None:
+    def _tell(self, tries: _Tries, line: str, *args: object, key: str | None = None) -> None:
         """A request's failed attempts, in one line with its id; the client gets
         a fixed message (dataplane.http.errors). Busy origins alone (429s, the
         steady state of a hosted API near its quota) are told at INFO. At most
         LineBudget's rate: an origin failing at full load (a rotated key not
-        updated) would write a line per request; the metrics count them all."""
+        updated) would write a line per request; the metrics count them all.
+        With `key` (the origins tried), once per UNSERVED_EVERY_S per key
+        instead, saying how many were not logged."""
+        busy = tries.failures and tries.busy == len(tries.failures)
+        level = logging.INFO if busy else logging.WARNING
+        if key is not None:
+            self._unserved_told.log(key, level, line, *args)
+            return
         skipped = self._lines.take()
         if skipped is None:
             return
-        busy = tries.failures and tries.busy == len(tries.failures)
         if skipped:
             line += f" ({skipped} more such {'line' if skipped == 1 else 'lines'} not logged)"
-        log.log(logging.INFO if busy else logging.WARNING, line, *args)
+        log.log(level, line, *args)
 
     async def _race(
         self,
@@ -1754,6 +1777,16 @@ def attempt_order(
         if target.region != region and not passed_over(target.name):
             return [*chosen[:-1], target]
     return chosen
+
+
+def retry_after(back_in: float) -> int:
+    """The Retry-After of a 502 no origin served, from the seconds until the
+    first of the origins tried is no longer ejected (`back_in`, 0 when one is
+    not): that is when the proxy calls one of them first again, so a client
+    (the OpenAI SDKs wait what it says, up to a minute) does not spend its
+    retries on calls that go to an ejected origin last. At least a second,
+    as a 429 without one gets (`upstream_busy`)."""
+    return max(1, math.ceil(back_in))
 
 
 def retry_after_seconds(value: str, now: float) -> float:

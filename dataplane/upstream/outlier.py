@@ -16,8 +16,9 @@ injected clock.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dataplane.routes import Target
@@ -134,6 +135,29 @@ class OutlierDetector:
             for origin, state in sorted(self._states.items())
             if state.streak and (state.until > now or now - state.failed_at < EJECTED_SHOWN_S)
         ]
+
+    def all_ejected(self, candidates: Sequence[Target]) -> bool:
+        """Whether every one of `candidates` (at least one) is ejected now."""
+        now = self._clock()
+        states = self._states
+        for target in candidates:
+            state = states.get(target.name)
+            if state is None or state.until <= now:
+                return False
+        return bool(candidates)
+
+    def back_in(self, origins: Iterable[str]) -> float:
+        """Seconds until the soonest of `origins` is no longer ejected: 0
+        when one of them is not ejected now."""
+        now = self._clock()
+        soonest = math.inf
+        for origin in origins:
+            state = self._states.get(origin)
+            left = 0.0 if state is None else state.until - now
+            if left <= 0.0:
+                return 0.0
+            soonest = min(soonest, left)
+        return 0.0 if math.isinf(soonest) else soonest
 
     def passed_over(self, origin: str) -> bool:
         """Whether `order` moves the origin last now: ejected, or busy (a 429)."""

@@ -1,0 +1,67 @@
+"""Every origin of a model failing (an SRE game-day's total outage): the 502
+says when to retry, the proxy calls one ejected origin a request, not each,
+and the log tells the outage once per set of origins, not once per request.
+The proxy before three origin simulators that answer 500; the passive
+health's clock is moved on rather than slept through."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from dataplane.http.state import PIPELINE
+from dataplane.upstream.outlier import OutlierDetector
+from ponto.originsim.app import SimConfig
+from tests.functional.test_pipeline import chat, error_of, start_stack
+
+# The first ejection's length here (the proxy's is 1 s): long enough for the
+# Retry-After to tell the time left from a fixed second.
+EJECTION_S = 20.0
+
+
+async def test_an_outage_answers_502_with_retry_after_and_tries_one_ejected_origin(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    configs = [SimConfig(name=f"o{i}", mode="fail", fail_status=500) for i in (1, 2, 3)]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        now = [1000.0]
+        forwarder = stack.app[PIPELINE].forwarder
+        forwarder.outliers = OutlierDetector(consecutive=3, base=EJECTION_S, clock=lambda: now[0])
+        caplog.set_level(logging.WARNING, logger="dataplane.upstream.forwarder")
+
+        async def fails(n: int) -> str:
+            resp = await stack.post(chat(f"outage {n}"))
+            assert resp.status == 502
+            assert error_of(await resp.json())["code"] == "upstream_unavailable"
+            retry_after: str = resp.headers["retry-after"]
+            return retry_after
+
+        # Each request tries all three; none is ejected until each failed
+        # three times in a row: retry at once (a second).
+        assert [await fails(n) for n in range(2)] == ["1", "1"]
+        assert stack.origin_requests() == 6
+        # The third failure of each ejects it: retry when the first comes back.
+        assert await fails(2) == "20"
+        assert stack.origin_requests() == 9
+        # All ejected: one call a request, to one of them.
+        now[0] += 5.0
+        assert await fails(3) == "15"
+        assert stack.origin_requests() == 10
+        # Its ejection over, each is tried again in full.
+        now[0] += EJECTION_S
+        assert await fails(4) == "1"
+        assert stack.origin_requests() == 13
+
+        told = [r for r in caplog.records if r.getMessage().startswith("no origin could serve")]
+        # The three requests of all three origins: one line; the one of a
+        # single origin: one of its own (within UNSERVED_EVERY_S of the
+        # first, on the monotonic clock; the last request's set was told).
+        tried_all = [r for r in told if "after 3 attempt(s)" in r.getMessage()]
+        assert len(tried_all) == 1, [r.getMessage() for r in told]
+        assert len(told) == 2, [r.getMessage() for r in told]
+        assert all(r.levelno == logging.WARNING and r.exc_info is None for r in told)
+    finally:
+        await stack.close()
