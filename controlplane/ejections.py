@@ -64,7 +64,9 @@ def describe(ejection: FleetEjection, now: float) -> str:
     failure ("ejected by p-eu, p-us (2 proxies, 1 ejecting now) for 40 s;
     last failure 2 s ago: answered 500"). An ejection lasts seconds at first
     (1, 2, 4 ...), and the proxy then tries the origin again: "ejection over"
-    says so, while the origin has not answered since."""
+    says so, while the origin has not answered since (that proxy's
+    requests, or the probes once the table had marked it unhealthy:
+    dataplane.upstream.outlier.OutlierDetector.table_marks_down)."""
     names = ", ".join(ejection.proxies)
     n = len(ejection.proxies)
     counted = (

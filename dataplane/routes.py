@@ -138,6 +138,10 @@ class Routes:
     served: frozenset[tuple[str, str]] = frozenset()
     # Every origin the table names, drained or not (Metrics.origins_named).
     origins: frozenset[str] = frozenset()
+    # Every origin the table marks unhealthy, not drained, panic routing's
+    # too: one that leaves it answered the leader's probes again
+    # (OutlierDetector.table_marks_down).
+    down: frozenset[str] = frozenset()
     # The credentials of the origins requests may go to, by origin name.
     credentials: tuple[OriginCredentials, ...] = ()
     # The origins requests may go to, by the tag the Responses ids they store
@@ -458,6 +462,7 @@ def build_routes(table: pb.RouteTable, proxy_region: str) -> Routes:
         ),
         served=frozenset((o.region, m) for o in table.origins for m in o.models),
         origins=frozenset(o.name for o in table.origins),
+        down=frozenset(o.name for o in unhealthy),
         credentials=tuple(t.credential for t in targets if t.credential is not None),
         stored_on={t.tag: t for t in targets},
         unhealthy_stores={origin_tag(o.name): frozenset(o.models) for o in unhealthy},

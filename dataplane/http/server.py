@@ -211,6 +211,7 @@ class Proxy:
         self.stalls = stalls = Stalls(settings.unhealthy_stream_idle_timeout)
         # Passive health, the forwarder's; what it ejected goes in reports.
         self.outliers = outliers = OutlierDetector()
+        holder.on_apply.append(lambda routes, policy: outliers.table_marks_down(routes.down))
         holder.on_apply.append(stalls.on_apply)
         self.locator = ClientLocator(None, TrustedProxies(settings.trusted_proxies))
         self.access_log = None

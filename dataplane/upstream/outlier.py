@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from dataplane.routes import Target
 
 # An origin is reported ejected while it is, and for this long after its last
-# failure, until it answers: one whose ejection ended but that no request
-# tried since (a failover region's origin) is not reported for ever.
+# failure, until it answers (or its probes pass again: table_marks_down): one
+# whose ejection ended but that no request tried since (a failover region's
+# origin) is not reported for ever.
 EJECTED_SHOWN_S = 60.0
 # The characters of a failure a report keeps.
 FAILURE_CHARS = 200
@@ -43,6 +44,9 @@ class _State:
     streak_since: float = 0.0
     last_failure: str = ""
     failed_at: float = 0.0
+    # When the route table last stopped marking it unhealthy: the leader's
+    # probes found it answering again (`table_marks_down`).
+    back_at: float = -math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +79,17 @@ class OutlierDetector:
         self._consecutive = consecutive
         self._base = base
         self._cap = cap
-        self._clock = clock
+        self.clock = clock  # replaceable: tests move time on
         self._states: dict[str, _State] = {}
         self.ejections_total = 0
+        self._down: frozenset[str] = frozenset()
 
     def success(self, origin: str) -> None:
         state = self._states.get(origin)
         if state is not None:
             state.failures = 0
             state.streak = 0
-            if state.until <= self._clock():
+            if state.until <= self.clock():
                 state.ejections = max(0, state.ejections - 1)
 
     def failure(self, origin: str, why: str = "") -> bool:
@@ -92,7 +97,7 @@ class OutlierDetector:
         ejected the origin."""
         state = self._states.setdefault(origin, _State())
         state.failures += 1
-        now = self._clock()
+        now = self.clock()
         state.failed_at = now
         if why:
             state.last_failure = why[:FAILURE_CHARS]
@@ -110,19 +115,39 @@ class OutlierDetector:
     def busy(self, origin: str, seconds: float) -> None:
         """Record a 429 asking for `seconds` (capped) before the next request."""
         state = self._states.setdefault(origin, _State())
-        state.busy_until = max(state.busy_until, self._clock() + min(self._cap, seconds))
+        state.busy_until = max(state.busy_until, self.clock() + min(self._cap, seconds))
 
     def ejected_now(self) -> int:
         """How many origins are ejected at this moment."""
         if not self._states:
             return 0
-        now = self._clock()
+        now = self.clock()
         return sum(1 for state in self._states.values() if state.until > now)
+
+    def table_marks_down(self, down: frozenset[str]) -> None:
+        """The origins the route table now marks unhealthy (each table the
+        proxy takes). One the last table marked so and this one does not
+        answered the leader's probes again: once its ejection is over, and
+        while no request fails it again, it is not reported as ejected, as
+        if it had answered this proxy. An SRE game-day found every origin
+        back and serving after a total outage, and each still reported
+        "ejection over, not answered since" for a minute by the proxies that
+        had tried them all during it and had no request for them since."""
+        back = self._down - down
+        self._down = down
+        if back:
+            now = self.clock()
+            for origin in back:
+                state = self._states.get(origin)
+                if state is not None:
+                    state.back_at = now
 
     def ejected_report(self) -> list[Ejected]:
         """The origins ejected since they last answered, each while it is
-        ejected and EJECTED_SHOWN_S after its last failure, by name."""
-        now = self._clock()
+        ejected, and EJECTED_SHOWN_S after its last failure unless the
+        table said since that its probes pass again (`table_marks_down`),
+        by name."""
+        now = self.clock()
         return [
             Ejected(
                 origin,
@@ -133,12 +158,16 @@ class OutlierDetector:
                 now - state.failed_at,
             )
             for origin, state in sorted(self._states.items())
-            if state.streak and (state.until > now or now - state.failed_at < EJECTED_SHOWN_S)
+            if state.streak
+            and (
+                state.until > now
+                or (now - state.failed_at < EJECTED_SHOWN_S and state.back_at < state.failed_at)
+            )
         ]
 
     def all_ejected(self, candidates: Sequence[Target]) -> bool:
         """Whether every one of `candidates` (at least one) is ejected now."""
-        now = self._clock()
+        now = self.clock()
         states = self._states
         for target in candidates:
             state = states.get(target.name)
@@ -149,7 +178,7 @@ class OutlierDetector:
     def back_in(self, origins: Iterable[str]) -> float:
         """Seconds until the soonest of `origins` is no longer ejected: 0
         when one of them is not ejected now."""
-        now = self._clock()
+        now = self.clock()
         soonest = math.inf
         for origin in origins:
             state = self._states.get(origin)
@@ -161,17 +190,17 @@ class OutlierDetector:
 
     def passed_over(self, origin: str) -> bool:
         """Whether `order` moves the origin last now: ejected, or busy (a 429)."""
-        return _passed_over(self._states.get(origin), self._clock())
+        return _passed_over(self._states.get(origin), self.clock())
 
     def ejected(self, origin: str) -> bool:
         state = self._states.get(origin)
-        return state is not None and state.until > self._clock()
+        return state is not None and state.until > self.clock()
 
     def order(self, candidates: Sequence[Target]) -> Sequence[Target]:
         """Candidates with ejected and busy origins moved last, order otherwise kept."""
         if not self._states:
             return candidates
-        now = self._clock()
+        now = self.clock()
         live: list[Target] = []
         out: list[Target] = []
         states = self._states

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from dataplane.http.state import PIPELINE
+from dataplane.http.state import HOLDER, PIPELINE
 from dataplane.upstream.outlier import OutlierDetector
 from ponto.originsim.app import SimConfig
-from tests.functional.test_pipeline import chat, error_of, start_stack
+from ponto.routetable import content_etag
+from tests.functional.test_pipeline import chat, error_of, start_stack, table
 
 # The first ejection's length here (the proxy's is 1 s): long enough for the
 # Retry-After to tell the time left from a fixed second.
@@ -63,5 +65,50 @@ async def test_an_outage_answers_502_with_retry_after_and_tries_one_ejected_orig
         assert len(tried_all) == 1, [r.getMessage() for r in told]
         assert len(told) == 2, [r.getMessage() for r in told]
         assert all(r.levelno == logging.WARNING and r.exc_info is None for r in told)
+    finally:
+        await stack.close()
+
+
+async def test_origins_back_after_an_outage_are_not_reported_ejected_once_their_ejection_ends(
+    tmp_path: Path,
+) -> None:
+    """The game-day's stale note: after a total outage the origins served
+    again, and `pontoctl get origins` still read "ejected by proxy-us-east
+    (ejection over, not answered since)" for over a minute. The table that
+    marks them healthy again (their probes pass) clears what this proxy
+    reports of an ejection that is over, before any request of its own."""
+    configs = [SimConfig(name=f"o{i}", mode="fail", fail_status=500) for i in (1, 2)]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        now = [1000.0]
+        outliers = stack.app[PIPELINE].forwarder.outliers
+        outliers.clock = lambda: now[0]
+        served = [
+            (c.name, str(o.make_url("/v1"))) for c, o in zip(configs, stack.origins, strict=True)
+        ]
+
+        def apply(version: int, *, healthy: bool) -> None:
+            t = table(served, version=version)
+            for origin in t.origins:
+                origin.healthy = healthy
+            t.etag = content_etag(t)
+            stack.app[HOLDER].apply(t, "control-plane")
+
+        apply(3, healthy=False)  # the probes fail: panic routing sends to them all the same
+        for n in range(3):
+            assert (await stack.post(chat(f"outage {n}"))).status == 502
+        assert [e.origin for e in outliers.ejected_report()] == ["o1", "o2"]
+        async with aiohttp.ClientSession() as session:
+            for origin in stack.origins:
+                async with session.post(
+                    origin.make_url("/sim/config"), json={"mode": "ok"}
+                ) as resp:
+                    assert resp.status == 200
+        now[0] += 0.5
+        apply(4, healthy=True)  # their probes pass again
+        # Their ejections (1 s) run on, and are reported while they do.
+        assert [e.ejected_s > 0 for e in outliers.ejected_report()] == [True, True]
+        now[0] += 1.0
+        assert outliers.ejected_report() == []
     finally:
         await stack.close()

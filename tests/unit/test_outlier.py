@@ -426,3 +426,37 @@ def test_a_busy_origin_is_not_reported_and_a_long_failure_is_cut() -> None:
     detector.failure("long", "x" * 1000)
     (e,) = detector.ejected_report()
     assert e.origin == "long" and e.last_failure == "x" * FAILURE_CHARS
+
+
+def test_an_origin_the_table_says_is_back_is_not_reported_once_its_ejection_is_over() -> None:
+    """SRE game-day: after a total outage every origin served again, and the
+    proxy that had tried them all during it (and had no request for them
+    since) reported each "ejection over, not answered since" for a minute.
+    The table taking one off its unhealthy list says the probes found it
+    answering: with its ejection over, that is as good as an answer, until a
+    request fails it again. One the table never marked (its probes pass, its
+    requests fail) stays reported as before."""
+    clock = FakeClock()
+    detector = OutlierDetector(consecutive=1, base=4.0, clock=clock)
+    detector.table_marks_down(frozenset({"a", "b"}))  # the outage: probes fail
+    for origin in ("a", "b", "c"):
+        detector.failure(origin, "connection refused")
+
+    def reported() -> list[str]:
+        return [e.origin for e in detector.ejected_report()]
+
+    clock.advance(1.0)
+    detector.table_marks_down(frozenset({"b"}))  # a answers its probes again
+    assert reported() == ["a", "b", "c"]  # a's ejection runs on
+    clock.advance(3.0 + EPS)
+    assert reported() == ["b", "c"]  # over: b's table still says down, c's never did
+    detector.table_marks_down(frozenset({"b"}))  # the same word again changes nothing
+    assert reported() == ["b", "c"]
+    detector.failure("a", "answered 500")  # a request fails it again
+    assert reported() == ["a", "b", "c"]
+    clock.advance(8.0 + EPS)  # its second ejection, of 8 s, is over
+    assert [(e.origin, e.ejected_s) for e in detector.ejected_report()] == [
+        ("a", 0.0),
+        ("b", 0.0),
+        ("c", 0.0),
+    ]
