@@ -20,6 +20,7 @@ from dataplane.placement.speed import (
     DECAY_S,
     REFRESH_S,
     SLOW_RATIO,
+    SlowWatch,
     SpeedBoard,
     output_tokens,
 )
@@ -72,6 +73,29 @@ def test_a_replica_25x_slower_than_its_peers_is_marked_and_evenly_fast_ones_are_
     assert SLOW_RATIO < slow["b"] < 5 / 0.3  # toward 5 / 0.3 (its first sample clipped)
     even, _ = board_with({"a": 0.3, "b": 0.4, "c": 0.25})
     assert even.slowness(GROUP) is None
+
+
+def test_judged_gives_each_slow_origin_its_largest_factor_over_its_groups() -> None:
+    """What /metrics and the log say (SRE game-day: a slow origin was
+    invisible): b slow among a, b, c; among b and d alone (another model's
+    replicas, d as slow) it is not. One-origin groups mark nothing."""
+    speeds, _ = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S, "d": SLOW_S})
+    other = (target("b"), target("d"))
+    assert speeds.factor(other, "b") == 1.0  # the picker's last group
+    judged = speeds.judged([GROUP, other, (target("a"),)])
+    assert set(judged) == {"b"} and judged["b"] == speeds.factor(GROUP, "b") >= SLOW_RATIO
+    assert speeds.judged([other]) == {}
+
+
+def test_a_slow_watch_tells_each_change_once() -> None:
+    watch = SlowWatch()
+    assert watch.changes({}) == ({}, [])
+    assert watch.changes({"b": 9.0}) == ({"b": 9.0}, [])
+    assert watch.changes({"b": 12.0}) == ({}, [])  # still slow: nothing new
+    assert watch.changes({"b": 10.0, "c": 8.0}) == ({"c": 8.0}, [])
+    assert watch.changes({"c": 8.0}) == ({}, ["b"])
+    assert watch.changes({}) == ({}, ["c"])
+    assert watch.changes({}) == ({}, [])
 
 
 def test_a_queue_of_tens_of_milliseconds_over_a_fast_group_marks_nothing() -> None:
