@@ -170,10 +170,11 @@ BUSY = 429
 # away for hours). The client is told the soonest wait of the origins tried;
 # the origin goes last for its wait, within the outlier detector's cap (30 s).
 BUSY_DEFAULT_S = 1.0
-# A request no origin served is logged once per this long per set of origins
-# tried (Forwarder._tell), with the count of those not logged.
-UNSERVED_EVERY_S = 10.0
 BUSY_MAX_S = 60.0
+# A request no origin served is logged once per this long per set of origins
+# tried (Forwarder._tell), with the count of those not logged. The sets are
+# kept for the process's life (ThrottledBy): a few per model and region.
+UNSERVED_EVERY_S = 10.0
 # An origin (or a proxy in front of it) that gave up waiting for the request
 # (RFC 9110: it did not receive the whole request in time): it generated
 # nothing, and another origin may well take it, as after a timeout; passed

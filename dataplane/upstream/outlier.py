@@ -8,8 +8,9 @@ it is tried last for as long as its Retry-After says (capped), and neither
 counts towards an ejection nor is reported as ejected (ejecting a busy origin
 would push its load onto the others). Ejected and busy origins are not
 removed from candidate lists but moved to the end, so a request still finds
-one if all are. What it ejected is reported to the control plane
-(`ejected`), whose probes read only /health.
+one if all are (one attempt then, not one to each: Forwarder.forward). What
+it ejected is reported to the control plane (`ejected`), whose probes read
+only /health.
 Both classes are single-threaded (one event loop) and read time from an
 injected clock.
 """
