@@ -92,18 +92,22 @@ def body(i: int, size_mb: float, stream: bool) -> bytes:
     return json.dumps(request).encode()
 
 
+async def ready(s: aiohttp.ClientSession, url: str) -> None:
+    """Once the proxy at `url` says it is ready (RuntimeError after 30 s)."""
+    for _ in range(150):
+        try:
+            async with s.get(f"{url}/readyz") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError("the proxy did not become ready")
+
+
 async def measure(proxy: subprocess.Popen[bytes], url: str, args: argparse.Namespace) -> str:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        for _ in range(150):
-            try:
-                async with s.get(f"{url}/readyz") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError("the proxy did not become ready")
+        await ready(s, url)
         small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         async with s.post(f"{url}/v1/chat/completions", json=small) as r:
             await r.read()

@@ -15,6 +15,12 @@ and its most sampled stacks. Collections of the garbage collector over
 stalls of each file by the frame of this project's code most sampled.
 This is how the stalls of a bulk key load onto 20,000 keys were found
 (bench/scale87.py --etcd; docs/operations.md, "A large fleet").
+
+    PYTHONPATH=. STALL_OUT=/tmp/p.jsonl .venv/bin/python -m bench.stallwatch \
+        --proxy --workers=1 --state-dir ... --listen 127.0.0.1:8080
+
+watches a proxy the same way, for stalls over 20 ms (bench/loop_stalls.py
+--watch runs one so).
 """
 
 from __future__ import annotations
@@ -141,6 +147,8 @@ def main() -> int:
         for path in sys.argv[2:]:
             summary(path)
         return 0
+    if sys.argv[1:2] == ["--proxy"]:
+        return proxy(sys.argv[2:])
     import controlplane.app  # noqa: PLC0415
 
     watch = Watch(open(os.environ["STALL_OUT"], "a", buffering=1))  # noqa: SIM115
@@ -160,6 +168,31 @@ def main() -> int:
     from controlplane.__main__ import main as control  # noqa: PLC0415
 
     return control(sys.argv[1:])
+
+
+def proxy(argv: list[str]) -> int:
+    """A proxy (`ponto-proxy` of `argv`, one worker) watched as the replica
+    is, for the stalls a request's own steps cause: every stall over 20 ms
+    (its stack sampled while 15 ms late) is a line."""
+    global LATE_S, STALL_S
+    LATE_S, STALL_S = 0.015, 0.02
+    import dataplane.run  # noqa: PLC0415
+
+    watch = Watch(open(os.environ["STALL_OUT"], "a", buffering=1))  # noqa: SIM115
+    gc.callbacks.append(watch.collected)
+    serve = dataplane.run.serve
+
+    async def watched(settings: Any, tracing: Any = None) -> None:
+        watch.loop_thread = threading.get_ident()
+        beats = asyncio.create_task(watch.heartbeat())
+        try:
+            await serve(settings, tracing)
+        finally:
+            beats.cancel()
+
+    dataplane.run.serve = watched
+    threading.Thread(target=watch.sample, daemon=True, name="stall-sampler").start()
+    return dataplane.run.main(argv)
 
 
 if __name__ == "__main__":
