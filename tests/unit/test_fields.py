@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import orjson
@@ -19,13 +20,13 @@ from dataplane.http.errors import ApiError
 from dataplane.http.fields import (
     _PLAIN_TURNS,
     _ROLES,
-    _WALK_MAX,
     ENDPOINT_RULES,
     MAX_DEPTH,
     MAX_INT,
     brackets_of,
     check_depth,
     check_fields,
+    outside_strings,
 )
 from dataplane.http.pipeline import ENDPOINTS, parse_json, validate
 
@@ -681,11 +682,12 @@ _JSON = st.recursive(
 
 
 @given(value=_JSON, wrap=st.integers(0, MAX_DEPTH + 2))
-def test_the_byte_scan_of_a_large_body_agrees_with_the_walk(value: Any, wrap: int) -> None:
-    """Bodies of more than _WALK_MAX brackets are judged from their bytes."""
+def test_the_depth_of_a_body_of_many_arrays_is_found(value: Any, wrap: int) -> None:
+    """Bodies of more brackets than the byte scan that judged them once took
+    (4,096), all walked now that their containers are bounded."""
     for _ in range(wrap):
         value = [value]
-    body = {"pad": [[]] * (_WALK_MAX + 1), "v": value}
+    body = {"pad": [[]] * 4097, "v": value}
     raw = orjson.dumps(body)
     if _depth(body) > MAX_DEPTH:
         with pytest.raises(ApiError):
@@ -696,12 +698,12 @@ def test_the_byte_scan_of_a_large_body_agrees_with_the_walk(value: Any, wrap: in
 
 @given(value=_JSON, wrap=st.integers(MAX_DEPTH - 3, MAX_DEPTH + 2))
 def test_the_walk_of_a_small_body_finds_its_depth(value: Any, wrap: int) -> None:
-    """Bodies of more than MAX_DEPTH brackets, up to _WALK_MAX, are walked."""
+    """Bodies of more than MAX_DEPTH brackets are walked."""
     for _ in range(wrap):
         value = [{"a": value, "b": "x"}] if wrap % 2 else [value, 1]
     body = {"v": value, "pad": "[" * MAX_DEPTH}  # brackets in a string: no depth
     raw = orjson.dumps(body)
-    assert MAX_DEPTH < brackets_of(raw) <= _WALK_MAX
+    assert brackets_of(raw) > MAX_DEPTH
     if _depth(body) > MAX_DEPTH:
         with pytest.raises(ApiError):
             check_depth(raw, body)
@@ -850,6 +852,19 @@ def test_containers_and_values_are_counted_outside_strings_only() -> None:
     # Too many anywhere: the exact count, strings cut out.
     assert count_outside_strings(raw, (b"[", b"{"), 5) == 3
     assert count_outside_strings(raw, (b",", b"[", b"{"), 5) == 3 + 3
+
+
+# A JSON string, as the cut once found them: the oracle of `outside_strings`.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+@given(value=_JSON)
+def test_the_cut_of_strings_is_that_of_a_json_string_pattern(value: Any) -> None:
+    """`outside_strings` (a few C passes) cuts exactly what a regular
+    expression of a JSON string does, escaped quotes and backslashes in
+    keys and values included."""
+    for raw in (orjson.dumps(value), json.dumps(value).encode(), json.dumps([value]).encode()):
+        assert outside_strings(raw) == _JSON_STRING.sub(b"", raw)
 
 
 def test_a_body_of_too_many_containers_is_refused_before_its_parse() -> None:
