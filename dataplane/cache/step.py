@@ -85,6 +85,7 @@ from dataplane.cache.policy import (
 from dataplane.cache.regionstore import RegionalStore, RegionLock
 from dataplane.cache.store import UNANSWERED, ExactStore, Found
 from dataplane.metrics import Metrics
+from dataplane.offload import OFF_LOOP_ABOVE, OffLoop
 from dataplane.policy import EdgePolicy, TenantRules
 from dataplane.streaming.relay import RelayEnd
 from dataplane.streaming.usage import asks_usage
@@ -166,9 +167,15 @@ class CacheRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     # False for a body of too many JSON values to key at a bounded cost.
     keyable: bool = True
+    # The body's bytes as sent: past OFF_LOOP_ABOVE its key is made off the
+    # event loop (dataplane.offload).
+    size: int = 0
 
 
 Outcome = Literal["hit", "miss", "bypass"]
+# A large request's key made off the loop (None: it has none), and its
+# semantic namespace ("" when not made): EdgeCache._keyed.
+Keyed = tuple[str | None, str]
 
 
 class CachePlan:
@@ -318,8 +325,11 @@ class EdgeCache:
         forward_headers: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
         region_wait_s: float = 60.0,
+        off_loop: OffLoop | None = None,
     ) -> None:
         self.store = store
+        # Where a large request's key is made (dataplane.offload).
+        self._off_loop = off_loop if off_loop is not None else OffLoop()
         self.region = store if isinstance(store, RegionalStore) else None
         # This proxy's own store when it is the only tier: asked by plain
         # calls (its `*_now`), not the protocol's coroutines, which never wait.
@@ -415,13 +425,16 @@ class EdgeCache:
         planned = self.plan_now(req)
         return planned if isinstance(planned, CachePlan) else await planned
 
-    def plan_now(self, req: CacheRequest) -> CachePlan | Coroutine[Any, Any, CachePlan]:
+    def plan_now(
+        self, req: CacheRequest, keyed: Keyed | None = None
+    ) -> CachePlan | Coroutine[Any, Any, CachePlan]:
         """`plan`'s answer when it needs no wait, else a coroutine that
         finishes it (a lookup in an async store or the semantic index, or a
-        region's flight to claim). Most requests wait for neither: a plain
-        call, where a coroutine that never waits costs some 1,000
-        instructions more (the pipeline's, every request). The same plan
-        either way; the caller owns the coroutine (it must be awaited)."""
+        region's flight to claim, or a large request's key: `_plan_off_loop`).
+        Most requests wait for none: a plain call, where a coroutine that
+        never waits costs some 1,000 instructions more (the pipeline's, every
+        request). The same plan either way; the caller owns the coroutine (it
+        must be awaited). `keyed` is `_keyed`'s, when it made the key."""
         policy = req.tenant.cache
         cc = RequestCacheControl.parse(req.cache_control) if req.cache_control else NO_DIRECTIVES
         decision = decide(policy, req.endpoint, req.body, cc)
@@ -429,10 +442,18 @@ class EdgeCache:
         if (decision.lookup or decision.store) and not req.keyable:
             decision = TOO_LARGE_TO_KEY
         if decision.lookup or decision.store:
-            try:
-                key = self._key(req)
-            except UncacheableRequest:
-                decision = UNKEYABLE
+            if keyed is not None:
+                if keyed[0] is None:
+                    decision = UNKEYABLE
+                else:
+                    key = keyed[0]
+            elif req.size > OFF_LOOP_ABOVE:
+                return self._plan_off_loop(req, decision.semantic)
+            else:
+                try:
+                    key = self._key(req)
+                except UncacheableRequest:
+                    decision = UNKEYABLE
         if not (decision.lookup or decision.store):
             self._count("bypass", decision.reason.value)
             bypass = CachePlan("bypass", decision.reason.value)
@@ -448,7 +469,7 @@ class EdgeCache:
             # which took 0.4 s of the loop for an 8 MB prompt (trial 89).
             text = last_user_text(req.body["messages"], self.semantic.may_fit) or ""
             if text:
-                context = self._context(req)
+                context = self._context(req) if keyed is None or not keyed[1] else keyed[1]
         # Why this request misses, when an entry was there but could not
         # answer, or when a semantic tenant's request was matched exactly only.
         miss = decision.reason.value if decision.reason is _TOOLS else ""
@@ -465,6 +486,26 @@ class EdgeCache:
                 return self._hit(hit, "exact", include_usage)
             miss = NO_USAGE  # the request's own entry, refreshed by this miss
         return self._flight(req, cc, key, include_usage, context, text, None, miss)
+
+    async def _plan_off_loop(self, req: CacheRequest, semantic: bool) -> CachePlan:
+        """`plan_now` of a large request: its key (and its semantic namespace
+        when its tenant matches by meaning) made off the event loop, each a
+        walk over the whole body; then the plan as any other's. Cancelled
+        (its client left) while they are made, it has joined no flight, and
+        the thread's result is dropped."""
+        keyed = await self._off_loop.run(self._keyed, req, semantic)
+        planned = self.plan_now(req, keyed)
+        return planned if isinstance(planned, CachePlan) else await planned
+
+    def _keyed(self, req: CacheRequest, semantic: bool) -> Keyed:
+        """`req`'s key, None when it has none (UncacheableRequest), and with
+        `semantic` its namespace (`_context`; "" without). Pure: run on the
+        off-loop thread."""
+        try:
+            key = self._key(req)
+        except UncacheableRequest:
+            return None, ""
+        return key, self._context(req) if semantic else ""
 
     async def _looked_up(
         self,

@@ -85,6 +85,7 @@ from dataplane.http.resume import (
 )
 from dataplane.http.state import CONTINUE_PENDING, REQUEST_ID, SERVER_NAME, Draining, stopping
 from dataplane.metrics import Metrics
+from dataplane.offload import OFF_LOOP_ABOVE, OffLoop
 from dataplane.placement.keys import SESSION_HEADER, Key, placement_key
 from dataplane.placement.picker import AFFINITY, Picker
 from dataplane.policy import EdgePolicy, TenantRules
@@ -416,6 +417,9 @@ class SlotWait:
 
 SLOT_WAIT: Final = SlotWait()
 
+# A placement key not made yet (None is a key of nothing to stick to).
+UNMADE: Final = object()
+
 
 def _relayed_or_let_go(
     task: asyncio.Task[web.StreamResponse], lead: reply.LeaderStream
@@ -461,8 +465,11 @@ class Pipeline:
         transcripts: TranscriptBudget | None = None,
         stream_hold_s: float | None = None,
         slot_wait: SlotWait = SLOT_WAIT,
+        off_loop: OffLoop | None = None,
     ) -> None:
         self.holder = holder
+        # The thread of a large body's parse (dataplane.offload), the cache's.
+        self.off_loop = off_loop if off_loop is not None else OffLoop()
         self.limiter = limiter
         # A concurrency slot's wait (_admit_after_wait).
         self.slot_wait = slot_wait
@@ -529,8 +536,11 @@ class Pipeline:
             # the exchange holds the bytes alone, and `forward` swaps them for
             # those it sends.
             request._read_bytes = None
-            self.parse(ex, raw)
-            self.assemble(ex)
+            if len(raw) > OFF_LOOP_ABOVE:
+                self.assemble(ex, await self.parse_off_loop(ex, raw))
+            else:
+                self.parse(ex, raw)
+                self.assemble(ex)
             if ex.endpoint.name == "responses":
                 self.pin(ex)
         except ApiError:
@@ -595,19 +605,30 @@ class Pipeline:
 
     @staticmethod
     def parse(ex: Exchange, raw: bytes) -> None:
-        """Parse the body read (`read_body`) once and check what every endpoint needs."""
+        """Parse the body read (`read_body`) once and check what every endpoint
+        needs: `parsed`, on the loop (`handle` hands a large body's to its
+        thread)."""
         ex.raw = raw
-        ex.body = parse_json(raw)
-        ex.stream = validate(ex.endpoint, ex.body)
-        # Chat text is at most one character a byte: a small body is never costly.
-        ex.keyable = not too_many_values(ex.raw) and not (
-            len(ex.raw) > COSTLY_ABOVE and costly_to_normalise(ex.body)
-        )
+        ex.body, ex.stream, ex.keyable = parsed(ex.endpoint, raw)
 
-    def assemble(self, ex: Exchange) -> None:
+    async def parse_off_loop(self, ex: Exchange, raw: bytes) -> bool:
+        """`parse` of a large body, off the event loop (dataplane.offload),
+        with the look for fields named twice that `assemble` reads
+        (`names_twice`, which parses the body again when a name it rules is
+        a key anywhere in it: 0.6 s of 10,000 tools of a `model` parameter
+        each, on the loop); that look's answer."""
+        ex.raw = raw
+        names = ruled_fields(ex.endpoint.name, ex.policy.tenant(ex.principal.tenant).prompt)
+        ex.body, ex.stream, ex.keyable, twice = await self.off_loop.run(
+            parsed_named, ex.endpoint, raw, names
+        )
+        return twice
+
+    def assemble(self, ex: Exchange, twice: bool | None = None) -> None:
         """Check that the caller may name the model, apply the tenant's prompt
         rules (aliases, system prompt, defaults) and check that the model is
-        served."""
+        served. `twice` is `names_twice` of the body when the caller looked
+        (`parse_off_loop`)."""
         ex.tenant = ex.policy.tenant(ex.principal.tenant)
         asked = ex.body["model"]
         policy = ex.policy
@@ -620,7 +641,9 @@ class Pipeline:
         rules = ex.tenant.prompt
         done = assembled(ex.endpoint.name, ex.body, rules)
         ex.max_tokens_added = done.max_tokens_added
-        ex.rewritten = done.changed or names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
+        if twice is None:
+            twice = done.changed or names_twice(ex.raw, ruled_fields(ex.endpoint.name, rules))
+        ex.rewritten = done.changed or twice
         if ex.endpoint.name == "rerank" and every_document(ex.body):
             ex.rewritten = True
         model = ex.body["model"]
@@ -778,7 +801,7 @@ class Pipeline:
         """From the cache, a flight, or an origin, as the cache step decides."""
         assert ex.tenant is not None
         # Positional (endpoint, body, tenant, stream, cache_control, headers,
-        # keyable): keywords cost the call some 1,800 instructions more.
+        # keyable, size): keywords cost the call some 1,800 instructions more.
         creq = ex.cache_request = CacheRequest(
             ex.endpoint.name,
             ex.body,
@@ -787,6 +810,7 @@ class Pipeline:
             ", ".join(ex.headers.getall("cache-control", ())),
             ex.headers,
             ex.keyable,
+            len(ex.raw),
         )
         if ex.trace is None:
             planned = self.cache.plan_now(creq)
@@ -918,6 +942,19 @@ class Pipeline:
             return None
         return ex.tenant.streams.hedge_for(ex.model)
 
+    def placement_key_of(self, ex: Exchange) -> Key | None:
+        """The key affinity places `ex` by (dataplane.placement.keys). Pure:
+        safe on the off-loop thread."""
+        assert ex.tenant is not None
+        return placement_key(
+            ex.endpoint.name,
+            ex.body,
+            ex.headers,
+            ex.tenant.name,
+            user_sessions=ex.tenant.routing.user_sessions,
+            session_header=self.session_header,
+        )
+
     async def forward(self, ex: Exchange, hedge: HedgeSetting | None = None) -> OriginAnswer:
         """Route (region by the client's home, the origin inside it by the
         tenant's policy), then call; with `hedge`, a slow first origin gets a
@@ -930,7 +967,14 @@ class Pipeline:
             ex.route = "pinned"
         else:
             home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
-            candidates = ex.candidates = self.place(ex, home, forwarder.candidate_limit(), point)
+            key: object = UNMADE
+            if len(ex.raw) > OFF_LOOP_ABOVE:
+                # Its placement key reads a chat request's tools whole (their
+                # repr: 0.15 s of 10,000 tools, on the loop).
+                key = await self.off_loop.run(self.placement_key_of, ex)
+            candidates = ex.candidates = self.place(
+                ex, home, forwarder.candidate_limit(), point, key
+            )
         if not candidates:
             ex.usage = Usage(0, 0)  # no origin was called: the estimate back
             raise ApiError(
@@ -1016,24 +1060,23 @@ class Pipeline:
         return answer
 
     def place(
-        self, ex: Exchange, home: str, limit: int, point: Point | None = None
+        self,
+        ex: Exchange,
+        home: str,
+        limit: int,
+        point: Point | None = None,
+        made: object = UNMADE,
     ) -> list[Target]:
         """The candidates in the order to try them; sets why the first was chosen.
-        `point`: where GeoIP placed the client (`Routes.groups_for`)."""
+        `point`: where GeoIP placed the client (`Routes.groups_for`); `made`:
+        `placement_key_of(ex)` when the caller made it (UNMADE: not made)."""
         assert ex.tenant is not None
         routes = ex.routes
         rules = ex.tenant.routing
         mode = rules.mode_for(ex.endpoint.name, ex.model)
         key = None
         if mode == AFFINITY:
-            key = placement_key(
-                ex.endpoint.name,
-                ex.body,
-                ex.headers,
-                ex.tenant.name,
-                user_sessions=rules.user_sessions,
-                session_header=self.session_header,
-            )
+            key = self.placement_key_of(ex) if made is UNMADE else cast(Key | None, made)
             ex.placement = key
         groups = routes.groups_for(ex.model, home, point)
         candidates, ex.route = self.picker.order(
@@ -1116,6 +1159,10 @@ class Pipeline:
         if answer is None:
             answer = reply.origin_body(ex, origin, plan.outcome, body)
         if ex.held is None and (now := sent_now(request, ex, self.draining, answer)) is not None:
+            if not parsed and len(body) > OFF_LOOP_ABOVE:
+                return self._respond_later(
+                    request, ex, origin, plan, answer, body, obj, parsed, entry, now
+                )
             entry = self._answered(ex, origin, plan, body, obj, parsed, entry)
             if entry is None:  # nothing to keep: settle_body's steps, without its coroutine
                 self.cache.finish_flight(plan, None)
@@ -1134,17 +1181,24 @@ class Pipeline:
         obj: Any,
         parsed: bool,
         entry: CachedResponse | None,
+        response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
         """`respond`'s end for an answer that waits to be sent: into a
         stream's head that went out while the origin thought, or as the
-        edge's writer allows."""
+        edge's writer allows; or that was sent (`response`) and waits for
+        its parse."""
         assert ex.cache_request is not None
-        response: web.StreamResponse | None = None
-        if ex.held is not None:
+        if response is None and ex.held is not None:
             response = await reply.into_held(ex, ex.held, answer)
         if response is None:
             response = await sent(request, ex, answer)
-        entry = self._answered(ex, origin, plan, body, obj, parsed, entry)
+        # A large answer not parsed before sending (a success's: an error's
+        # is not read) is parsed off the loop (dataplane.offload): 15 MB of
+        # embeddings held it over a second.
+        read = jsonio.NOT_PARSED
+        if not parsed and origin.status < 400 and len(body) > OFF_LOOP_ABOVE:
+            read = await self.off_loop.run(jsonio.loads_or_none, body)
+        entry = self._answered(ex, origin, plan, body, obj, parsed, entry, read)
         if entry is None:
             self.cache.finish_flight(plan, None)
         else:
@@ -1171,14 +1225,16 @@ class Pipeline:
         obj: Any,
         parsed: bool,
         entry: CachedResponse | None,
+        read: Any = jsonio.NOT_PARSED,
     ) -> CachedResponse | None:
         """Once a whole answer is sent: its usage (`ex.usage`), and the
         cache's entry of it (`entry`, made before sending when its JSON was
-        parsed then; else made now)."""
+        parsed then; else made now, of `body` parsed: `read`, when the
+        caller parsed it after sending)."""
         assert ex.cache_request is not None
         if origin.status < 400 and (parsed or plan.key or b'"usage"' in body):
             if not parsed:
-                obj = jsonio.loads_or_none(body)
+                obj = jsonio.loads_or_none(body) if read is jsonio.NOT_PARSED else read
             # A whole answer's completion estimate: about four bytes a token.
             read = rerank_usage_of if ex.endpoint.name == "rerank" else usage_of
             ex.usage = self.believe(ex, origin.target.name, read(obj), len(body), len(body) // 4)
@@ -1850,6 +1906,28 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request("request body must be a JSON object", code="invalid_json")
     check_depth(raw, body, brackets)
     return body
+
+
+def parsed(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], bool, bool]:
+    """The body (`parse_json`), its stream flag (`validate`) and whether it
+    may be cache-keyed; raises the refusal of a bad one. Pure: safe on any
+    thread (dataplane.offload)."""
+    body = parse_json(raw)
+    stream = validate(endpoint, body)
+    # Chat text is at most one character a byte: a small body is never costly.
+    keyable = not too_many_values(raw) and not (
+        len(raw) > COSTLY_ABOVE and costly_to_normalise(body)
+    )
+    return body, stream, keyable
+
+
+def parsed_named(
+    endpoint: Endpoint, raw: bytes, names: tuple[str, ...]
+) -> tuple[dict[str, Any], bool, bool, bool]:
+    """`parsed`, and whether the body names one of `names` twice
+    (`names_twice`). Pure, as `parsed` is."""
+    body, stream, keyable = parsed(endpoint, raw)
+    return body, stream, keyable, names_twice(raw, names)
 
 
 def _not_json(raw: bytes, exc: jsonio.JSONDecodeError) -> str:

@@ -59,6 +59,7 @@ from dataplane.http.state import (
     Draining,
 )
 from dataplane.metrics import Metrics
+from dataplane.offload import OffLoop
 from dataplane.placement.load import LoadBoard
 from dataplane.placement.picker import Picker
 from dataplane.placement.speed import SlowWatch
@@ -194,9 +195,13 @@ class Proxy:
                 settings, self.region_link, settings.redis_url, table_purges(holder)
             )
         store = self.store
+        # The thread of large inputs' pure steps (dataplane.offload): the
+        # parse of a body, its cache key.
+        self.off_loop = OffLoop()
         self.cache = cache = EdgeCache(
             store,
             m,
+            off_loop=self.off_loop,
             semantic_factory=self._semantic_index,
             forward_headers=settings.upstream.forward_headers,
             region_wait_s=settings.upstream.deadline,
@@ -343,6 +348,7 @@ class Proxy:
             origin_stream_usage=settings.origin_stream_usage,
             draining=self.draining,
             transcripts=self.transcripts,
+            off_loop=self.off_loop,
         )
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),
@@ -371,6 +377,7 @@ class Proxy:
             if self.region_link is not None:
                 await self.region_link.close()
             self.cache.close()  # the semantic index's embedding thread
+            self.off_loop.close()
             self.locator.close()
             await self.holder.flush()
             self.quota.save_counts()  # the last requests' too: the pipeline is closed
