@@ -536,10 +536,13 @@ class Pipeline:
             # the exchange holds the bytes alone, and `forward` swaps them for
             # those it sends.
             request._read_bytes = None
+            ex.raw = raw
             if len(raw) > OFF_LOOP_ABOVE:
                 self.assemble(ex, await self.parse_off_loop(ex, raw))
             else:
-                self.parse(ex, raw)
+                # The parse step (`parsed`) by a plain call: not a method
+                # that calls it, one frame more every request.
+                ex.body, ex.stream, ex.keyable = parsed(ex.endpoint, raw)
                 self.assemble(ex)
             if ex.endpoint.name == "responses":
                 self.pin(ex)
@@ -603,21 +606,12 @@ class Pipeline:
         list): it takes nothing from them."""
         return self.limiter.headers(principal.scopes, time.monotonic())
 
-    @staticmethod
-    def parse(ex: Exchange, raw: bytes) -> None:
-        """Parse the body read (`read_body`) once and check what every endpoint
-        needs: `parsed`, on the loop (`handle` hands a large body's to its
-        thread)."""
-        ex.raw = raw
-        ex.body, ex.stream, ex.keyable = parsed(ex.endpoint, raw)
-
     async def parse_off_loop(self, ex: Exchange, raw: bytes) -> bool:
-        """`parse` of a large body, off the event loop (dataplane.offload),
-        with the look for fields named twice that `assemble` reads
-        (`names_twice`, which parses the body again when a name it rules is
-        a key anywhere in it: 0.6 s of 10,000 tools of a `model` parameter
-        each, on the loop); that look's answer."""
-        ex.raw = raw
+        """The parse step (`parsed`) of a large body, off the event loop
+        (dataplane.offload), with the look for fields named twice that
+        `assemble` reads (`names_twice`, which parses the body again when a
+        name it rules is a key anywhere in it: 0.6 s of 10,000 tools of a
+        `model` parameter each, on the loop); that look's answer."""
         names = ruled_fields(ex.endpoint.name, ex.policy.tenant(ex.principal.tenant).prompt)
         ex.body, ex.stream, ex.keyable, twice = await self.off_loop.run(
             parsed_named, ex.endpoint, raw, names
@@ -1909,9 +1903,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def parsed(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], bool, bool]:
-    """The body (`parse_json`), its stream flag (`validate`) and whether it
-    may be cache-keyed; raises the refusal of a bad one. Pure: safe on any
-    thread (dataplane.offload)."""
+    """The parse step: the body read (`read_body`) parsed once
+    (`parse_json`), its stream flag (`validate`: what every endpoint needs
+    checked) and whether it may be cache-keyed; raises the refusal of a bad
+    one. Pure: safe on any thread (dataplane.offload)."""
     body = parse_json(raw)
     stream = validate(endpoint, body)
     # Chat text is at most one character a byte: a small body is never costly.
