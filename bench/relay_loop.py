@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.relay_loop [--tokens 16,64] [--shape vllm]
         [--reads event] [--loops 100] [--warmup 20] [--client-usage]
+        [--readers counter,recorder,transcript]
 
 Why: bench/instructions.py counts a whole proxy's streams, which nginx
 writes at once (the proxy reads their events in one or a few reads); an
@@ -32,6 +33,9 @@ own (`service_tier`, `system_fingerprint`, then `"usage":null` and an
 `event`, one read an event (an origin generating); `one`, the stream in one
 read (nginx's). `--client-usage`: the client asked for usage itself, so no
 trim (without it, the proxy asked on its behalf: the default).
+`--readers`: which of the stream's readers relay it (default all three); the
+difference between two runs' slopes is a reader's cost an event (the trim
+and the resume hook stay, being the relay's hooks, not readers).
 
 The client's stream is a list the writes go to (no socket): this is the
 relay's cost, not aiohttp's. The loop is uvloop's, as the proxy's. Needs
@@ -46,6 +50,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -114,30 +119,39 @@ async def _no_resume(cut: str, too_long: int) -> Next | None:
     return None
 
 
-async def _relay_once(reads: list[bytes], budget: TranscriptBudget, trim: bool) -> bytes:
+READERS = ("counter", "recorder", "transcript")
+
+
+async def _relay_once(
+    reads: list[bytes], budget: TranscriptBudget, trim: bool, names: Sequence[str] = READERS
+) -> bytes:
     counter = UsageCounter()
     recorder = StreamRecorder(store_truncated=True, max_bytes=1 << 20, usage_asked=True)
     transcript = Transcript(budget)
+    by_name = {"counter": counter, "recorder": recorder, "transcript": transcript}
     out = _Out()
     end = await relay(
         reads[0],
         _Content(reads[1:]),
         cast(web.StreamResponse, out),
-        readers=cast(list[EventSink], [counter, recorder, transcript]),
+        readers=cast(list[EventSink], [by_name[name] for name in names]),
         idle_timeout=60.0,
         resume=_no_resume,
         trim=counter.unasked if trim else None,
     )
     transcript.release()
-    if not end.complete or recorder.finish(now=0.0, open_event=end.open_event) is None:
+    recorded = "recorder" not in names or (
+        recorder.finish(now=0.0, open_event=end.open_event) is not None
+    )
+    if not end.complete or not recorded:
         raise RuntimeError(f"a stream not relayed whole: {end}, {recorder.reason}")
     return b"".join(out.written)
 
 
-async def _loop(reads: list[bytes], streams: int, trim: bool) -> None:
+async def _loop(reads: list[bytes], streams: int, trim: bool, names: Sequence[str]) -> None:
     budget = TranscriptBudget()
     for _ in range(streams):
-        await _relay_once(reads, budget, trim)
+        await _relay_once(reads, budget, trim, names)
 
 
 def _reads(tokens: int, shape: str, how: str) -> list[bytes]:
@@ -152,6 +166,7 @@ def _counted(args: argparse.Namespace, tokens: int, out: Path) -> int:
         *callgrind(out), sys.executable, "-m", "bench.relay_loop",
         "--inner", "--loops", str(args.loops), "--warmup", str(args.warmup),
         "--tokens", str(tokens), "--shape", args.shape, "--reads", args.reads,
+        "--readers", args.readers,
     ]  # fmt: skip
     if args.client_usage:
         argv.append("--client-usage")
@@ -174,16 +189,22 @@ def _inner(args: argparse.Namespace, tokens: int) -> None:
     stdin and stdout (the outer process turns callgrind's counting on and off)."""
     reads = _reads(tokens, args.shape, args.reads)
     trim = not args.client_usage
+    names = _names(args.readers)
 
     async def run() -> None:
-        await _loop(reads, args.warmup, trim)
+        await _loop(reads, args.warmup, trim, names)
         for loops in (args.loops, 0):
             sys.stdout.write("ready\n")
             sys.stdout.flush()
             sys.stdin.readline()
-            await _loop(reads, loops, trim)
+            await _loop(reads, loops, trim, names)
 
     uvloop.run(run())
+
+
+def _names(given: str) -> list[str]:
+    """The readers named in `--readers`, comma-separated (none: an empty string)."""
+    return [name for name in given.split(",") if name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,10 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", type=int, default=100, help="streams counted, a size")
     p.add_argument("--warmup", type=int, default=20, help="streams before the count")
     p.add_argument("--client-usage", action="store_true", help="no trim: the client asked")
+    p.add_argument("--readers", default=",".join(READERS),
+                   help="the readers relaying, comma-separated, of " + ", ".join(READERS)
+                   + " (default all; an empty string: none)")  # fmt: skip
     p.add_argument("--keep", type=Path, help="keep the callgrind files in this directory")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(n) for n in args.tokens.split(",") if n]
+    if unknown := set(_names(args.readers)) - set(READERS):
+        p.error(f"--readers: no reader {', '.join(sorted(unknown))}")
     if args.inner:
         _inner(args, sizes[0])
         return 0
