@@ -15,16 +15,26 @@ has been written (a library's relocated data: copy-on-write pages, counted as
 `Anonymous` in smaps) holds the process's own bytes, which MADV_DONTNEED
 would discard: such a mapping is never touched, nor is any writable one.
 
+Only the mappings of the executable and of the shared objects loaded before
+smaps is read are dropped, never another file's (a GeoIP database, a model,
+Python's mmap module): the loader never unmaps a loaded object (CPython never
+unloads one), so its ranges still hold its pages when madvise reaches them,
+whatever other threads do meanwhile. Another file's mapping may be unmapped
+by its thread after the read and its range taken by that thread's malloc,
+whose live bytes MADV_DONTNEED would zero; an object a thread is loading
+(dlopen maps it whole, then its data writable over it) is not yet listed.
+
 Linux only (smaps, madvise); elsewhere nothing is released.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Mapping", "parse_smaps", "releasable", "release_file_pages"]
+__all__ = ["Mapping", "loaded_objects", "parse_smaps", "releasable", "release_file_pages"]
 
 # <sys/mman.h>; the same on every Linux architecture.
 MADV_DONTNEED = 4
@@ -75,13 +85,13 @@ def _mapping(head: list[str], figures: dict[str, int]) -> Mapping:
     )
 
 
-def releasable(mapping: Mapping) -> bool:
-    """Whether dropping `mapping`'s resident pages loses nothing: a file's pages
-    (its path absolute; not "[heap]", "[stack]", anonymous memory), none of
-    them the process's own copy (no copy-on-write page), in a mapping nobody
-    may write to, and some of them resident."""
+def releasable(mapping: Mapping, objects: Collection[str]) -> bool:
+    """Whether dropping `mapping`'s resident pages loses nothing: pages of one of
+    the loaded `objects` (the executable's and shared objects' real paths),
+    none of them the process's own copy (no copy-on-write page), in a mapping
+    nobody may write to, and some of them resident."""
     return (
-        mapping.path.startswith("/")
+        mapping.path in objects
         and "w" not in mapping.perms
         and mapping.anonymous_kb == 0
         and mapping.rss_kb > 0
@@ -91,31 +101,53 @@ def releasable(mapping: Mapping) -> bool:
 def release_file_pages(
     smaps: str = "/proc/self/smaps",
     madvise: Callable[[int, int], bool] | None = None,
+    objects: Callable[[], Collection[str]] | None = None,
 ) -> int:
     """Drop this process's resident pages of every releasable mapping of
-    `smaps` (MADV_DONTNEED by `madvise(start, length)`, true if done); the kB
-    dropped. 0 where there is no smaps or no madvise.
+    `smaps` (MADV_DONTNEED by `madvise(start, length)`, true if done) of the
+    `objects()` loaded, listed before smaps is read; the kB dropped. 0 where
+    there is no smaps or no madvise.
 
-    Call it at a quiet point of the start, after the imports, on the thread
-    that imports: it assumes no other thread maps or unmaps files (loads a
-    library) between its read of smaps and its last madvise, which would let
-    another file's writable mapping take a listed range. Refaulting what is
-    used next costs a minor fault a page (a few thousand, once).
+    Safe while other threads run, as long as none unloads a shared object
+    (dlclose; see the module docstring). Refaulting what is used next costs a
+    minor fault a page (a few thousand, once).
     """
     if madvise is None:
         madvise = _libc_madvise()
         if madvise is None:
             return 0
     try:
+        loaded = (objects or loaded_objects)()
         with open(smaps) as f:
             mappings = parse_smaps(f)
     except OSError:
         return 0
     dropped = 0
     for m in mappings:
-        if releasable(m) and madvise(m.start, m.end - m.start):
+        if releasable(m, loaded) and madvise(m.start, m.end - m.start):
             dropped += m.rss_kb
     return dropped
+
+
+def loaded_objects() -> frozenset[str]:
+    """The real paths of the executable and of every shared object the loader
+    has mapped (dl_iterate_phdr: an object is listed once mapped whole)."""
+    import ctypes  # noqa: PLC0415 - see _libc_madvise
+
+    class Info(ctypes.Structure):
+        _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
+
+    names: list[bytes] = []
+
+    def each(info: ctypes._Pointer[Info], size: int, data: int | None) -> int:
+        names.append(info.contents.name or b"")
+        return 0
+
+    visit = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)
+    ctypes.CDLL(None).dl_iterate_phdr(visit(each), None)
+    # The executable is listed unnamed, the vDSO by a bare name.
+    paths = [os.readlink("/proc/self/exe").encode()] + [n for n in names if n.startswith(b"/")]
+    return frozenset(os.path.realpath(os.fsdecode(n)) for n in paths)
 
 
 def _libc_madvise() -> Callable[[int, int], bool] | None:
