@@ -55,6 +55,7 @@ from dataplane.http.state import (
     QUOTA,
     REQUEST_ID,
     REQUEST_IDS,
+    SLOW_LOOK,
     UNPARSED,
     Draining,
 )
@@ -92,11 +93,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # How often expired cache entries are dropped, so memory follows the TTLs.
 SWEEP_INTERVAL_S = 30.0
 # How often the budgets' counts are saved for a restart (QuotaState.save_counts):
-# a process killed loses at most what it spent in this long.
+# a process killed loses at most what it spent in this long. And how often the
+# proxy looks for origins that became slow or recovered, to log each change
+# once (Proxy.tell_slow_origins): the picker reads speeds per request and logs
+# nothing.
 COUNTS_SAVE_S = 1.0
-# How often the proxy looks for origins that became slow or recovered, to log
-# each change once: the picker reads speeds per request and logs nothing.
-SLOW_WATCH_S = 1.0
 
 # The share of --cache-max-mb the semantic index may hold; the exact store has the
 # rest and whatever the index does not use (docs/semantic-cache.md, "Memory").
@@ -353,8 +354,7 @@ class Proxy:
         tasks = [
             asyncio.create_task(self.client.run(), name="control-plane-link"),
             asyncio.create_task(self._sweep(), name="cache-sweeper"),
-            asyncio.create_task(self._save_counts(), name="budget-counts"),
-            asyncio.create_task(self._watch_speeds(), name="slow-origins"),
+            asyncio.create_task(self._each_second(), name="budget-counts-slow-origins"),
         ]
         if self.semantic_feed is not None:
             self.semantic_feed.start()
@@ -386,9 +386,13 @@ class Proxy:
             if self.access_log is not None:
                 self.access_log.close()
 
-    async def _save_counts(self) -> None:
+    async def _each_second(self) -> None:
+        # One timer for both: each wake-up costs an idle proxy instructions,
+        # and the look for slow origins (once a second) needs no cadence of
+        # its own. The look first: it cannot fail on a disk.
         while True:
             await asyncio.sleep(COUNTS_SAVE_S)
+            self.tell_slow_origins()
             self.quota.save_counts()
 
     def slow_origins(self) -> dict[str, float]:
@@ -402,7 +406,10 @@ class Proxy:
     def tell_slow_origins(self) -> None:
         """Log each origin that became slow since the last look, and each
         that recovered: once a change, at INFO (placement handles it; an
-        operator may hedge its tenants, docs/streams.md)."""
+        operator may hedge its tenants, docs/streams.md). Once a second
+        (COUNTS_SAVE_S, `_each_second`), and at once by tests (app[SLOW_LOOK])."""
+        if not self.slow_watch.due(self.holder.routes, self.loads.speeds.mark()):
+            return
         became, recovered = self.slow_watch.changes(self.slow_origins())
         for origin, factor in became.items():
             log.info(
@@ -413,11 +420,6 @@ class Proxy:
             )
         for origin in recovered:
             log.info("origin %s no longer judged slow", origin)
-
-    async def _watch_speeds(self) -> None:
-        while True:
-            await asyncio.sleep(SLOW_WATCH_S)
-            self.tell_slow_origins()
 
     async def _sweep(self) -> None:
         while True:
@@ -467,6 +469,7 @@ def build_app(settings: Settings, tracer: RequestTracer | None = None) -> web.Ap
         record_unparsed(app, request, request_id, status, error)
 
     app[UNPARSED] = unparsed
+    app[SLOW_LOOK] = proxy.tell_slow_origins
     app.on_shutdown.append(proxy.stopping)
     app.cleanup_ctx.append(proxy.lifetime)
     r = app.router

@@ -64,6 +64,10 @@ ACCESS_LOG = web.AppKey("access_log", AccessLog)
 # Counts and logs a message the HTTP parser refused (dataplane.http.edge), which
 # no handler or middleware sees: (request, request id, status, error code).
 UNPARSED: web.AppKey[Callable[[web.BaseRequest, str, int, str], None]] = web.AppKey("unparsed")
+# Looks for origins that became slow or recovered and logs each change
+# (Proxy.tell_slow_origins): once a second on its own; a test calls it to look
+# now rather than sleep through a second.
+SLOW_LOOK: web.AppKey[Callable[[], None]] = web.AppKey("slow_look")
 
 # Every request's id, set by the error boundary before any handler runs.
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -98,6 +98,30 @@ def test_a_slow_watch_tells_each_change_once() -> None:
     assert watch.changes({}) == ({}, [])
 
 
+def test_a_slow_watch_looks_again_only_when_what_it_judges_may_have_changed() -> None:
+    """An idle proxy's look once a second stops at `due` (review: the look
+    judged every group each second). Due again after a sample that bumped
+    the board's generation, under another table, and while a stream waits
+    (its wait grows with the clock alone)."""
+    speeds, clock = board_with({"a": FAST_S, "b": SLOW_S, "c": FAST_S})
+    watch, table = SlowWatch(), object()
+    assert watch.due(table, speeds.mark())
+    assert not watch.due(table, speeds.mark())
+    clock.now += 100.0  # no sample: the picker's factors stay, and so would a look's
+    assert not watch.due(table, speeds.mark())
+    assert watch.due(object(), speeds.mark())  # a new table
+    table = object()
+    watch.due(table, speeds.mark())
+    speeds.observe("a", False, FAST_S, TOKENS)  # a sample, REFRESH_S after the last bump
+    assert watch.due(table, speeds.mark())
+    assert not watch.due(table, speeds.mark())
+    call = speeds.began("b", 100)
+    assert watch.due(table, speeds.mark()) and watch.due(table, speeds.mark())
+    speeds.answered("b", call)
+    assert watch.due(table, speeds.mark())  # the wait is gone: one more look
+    assert not watch.due(table, speeds.mark())
+
+
 def test_a_queue_of_tens_of_milliseconds_over_a_fast_group_marks_nothing() -> None:
     # Hot prefixes on a busy, healthy replica: streams' first events in 40 ms
     # where its peers take 6 ms. Moving its keys would cost more (a prefill).
