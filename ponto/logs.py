@@ -105,24 +105,34 @@ class Throttled(Every):
 
 class ThrottledBy:
     """A Throttled line per key (an origin, say): each key's lines at most once
-    per `every_s`, one key's never hiding another's. Keys are kept for the
-    process's life: for a bounded set (the route table's origins)."""
+    per `every_s`, one key's never hiding another's. At most `max_keys` keys
+    are kept: past them, the one whose line came longest ago is forgotten (its
+    next line is written at once, and its count of lines not written is
+    lost), so keys made from what requests do (the origins one tried) cannot
+    grow without end over a process's life."""
 
-    __slots__ = ("_clock", "_every_s", "_keys", "_log")
+    __slots__ = ("_clock", "_every_s", "_keys", "_log", "_max_keys")
 
     def __init__(
         self,
         logger: logging.Logger,
         *,
         every_s: float = 60.0,
+        max_keys: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log, self._every_s, self._clock = logger, every_s, clock
+        self._max_keys = max_keys
+        # In the order of their last line, written or not: the first is forgotten.
         self._keys: dict[str, Throttled] = {}
 
     def log(self, key: str, level: int, msg: str, *args: object) -> bool:
         """Throttled.log of `key`'s line; True if written."""
-        told = self._keys.get(key)
+        keys = self._keys
+        told = keys.pop(key, None)
         if told is None:
-            told = self._keys[key] = Throttled(self._log, every_s=self._every_s, clock=self._clock)
+            if len(keys) >= self._max_keys:
+                del keys[next(iter(keys))]
+            told = Throttled(self._log, every_s=self._every_s, clock=self._clock)
+        keys[key] = told
         return told.log(level, msg, *args)

@@ -173,7 +173,7 @@ BUSY_DEFAULT_S = 1.0
 BUSY_MAX_S = 60.0
 # A request no origin served is logged once per this long per set of origins
 # tried (Forwarder._tell), with the count of those not logged. The sets are
-# kept for the process's life (ThrottledBy): a few per model and region.
+# kept up to ThrottledBy's bound, the one told longest ago forgotten past it.
 UNSERVED_EVERY_S = 10.0
 # An origin (or a proxy in front of it) that gave up waiting for the request
 # (RFC 9110: it did not receive the whole request in time): it generated

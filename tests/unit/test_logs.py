@@ -84,3 +84,17 @@ def test_lines_throttled_by_key_do_not_hide_each_other(caplog: pytest.LogCapture
         "o2 lies",
         "o1 lies (1 more not logged)",
     ]
+
+
+def test_keys_past_the_bound_forget_the_one_quiet_longest() -> None:
+    """Keys a request makes (the set of origins it tried) must not grow for the
+    life of the process: past `max_keys`, the key whose line came longest
+    ago (written or not) is forgotten, and its next line is written at once."""
+    told = ThrottledBy(logging.getLogger("ponto.test"), every_s=60, max_keys=2, clock=Clock())
+    assert told.log("a", logging.WARNING, "a")
+    assert told.log("b", logging.WARNING, "b")
+    assert not told.log("a", logging.WARNING, "a")  # a is the latest now
+    assert told.log("c", logging.WARNING, "c")  # b is forgotten
+    assert not told.log("a", logging.WARNING, "a")  # a is not
+    assert told.log("b", logging.WARNING, "b")  # b is new again: c, the oldest, goes
+    assert told.log("c", logging.WARNING, "c")
