@@ -932,8 +932,10 @@ class Forwarder:
             error = upstream_error_answer(tries.shown)
         else:
             error = upstream_unavailable(_what_failed(tries))
+            # Of every candidate, not only those tried: with all ejected, one
+            # is tried, and another whose ejection ends sooner goes first then.
             error.headers["retry-after"] = str(
-                retry_after(outliers.back_in(t.name for t in ordered[: tries.made]))
+                retry_after(outliers.back_in(t.name for t in candidates))
             )
         error.attempts = tries.made
         error.spent = tries.worked
@@ -1782,8 +1784,8 @@ def attempt_order(
 
 def retry_after(back_in: float) -> int:
     """The Retry-After of a 502 no origin served, from the seconds until the
-    first of the origins tried is no longer ejected (`back_in`, 0 when one is
-    not): that is when the proxy calls one of them first again, so a client
+    first of the request's candidates is no longer ejected (`back_in`, 0 when
+    one is not): that is when the proxy calls one of them first again, so a client
     (the OpenAI SDKs wait what it says, up to a minute) does not spend its
     retries on calls that go to an ejected origin last. At least a second,
     as a 429 without one gets (`upstream_busy`)."""

@@ -14,7 +14,7 @@ import pytest
 
 from dataplane.http.state import HOLDER, PIPELINE
 from dataplane.upstream.outlier import OutlierDetector
-from ponto.originsim.app import SimConfig
+from ponto.originsim.app import SIM_STATE, SimConfig
 from ponto.routetable import content_etag
 from tests.functional.test_pipeline import chat, error_of, start_stack, table
 
@@ -65,6 +65,41 @@ async def test_an_outage_answers_502_with_retry_after_and_tries_one_ejected_orig
         assert len(tried_all) == 1, [r.getMessage() for r in told]
         assert len(told) == 2, [r.getMessage() for r in told]
         assert all(r.levelno == logging.WARNING and r.exc_info is None for r in told)
+    finally:
+        await stack.close()
+
+
+async def test_retry_after_is_when_the_first_candidate_comes_back_not_the_one_tried(
+    tmp_path: Path,
+) -> None:
+    """Every candidate ejected, the request calls the nearest alone; another
+    whose ejection ends sooner is the one the proxy calls first then, so the
+    502's Retry-After is its wait, not the nearest's."""
+    configs = [SimConfig(name=f"o{i}", mode="fail", fail_status=500) for i in (1, 2, 3)]
+    stack = await start_stack(tmp_path, configs)
+    try:
+        now = [1000.0]
+        forwarder = stack.app[PIPELINE].forwarder
+
+        def ejected(until: dict[str, float]) -> None:
+            """A detector whose origins are ejected until those times."""
+            outliers = OutlierDetector(consecutive=1, base=EJECTION_S, clock=lambda: now[0])
+            for origin, end in until.items():
+                now[0] = end - EJECTION_S
+                outliers.failure(origin)
+            now[0] = 1000.0
+            forwarder.outliers = outliers
+
+        ejected({"o1": 1010.0, "o2": 1010.0, "o3": 1010.0})
+        assert (await stack.post(chat("which first"))).status == 502
+        calls = [o.app[SIM_STATE].stats.requests for o in stack.origins]
+        assert sorted(calls) == [0, 0, 1]  # the nearest alone
+        nearest = f"o{calls.index(1) + 1}"
+        # The same request again, the nearest ejected for 20 s more, the others 7.
+        ejected({f"o{i}": 1020.0 if f"o{i}" == nearest else 1007.0 for i in (1, 2, 3)})
+        resp = await stack.post(chat("which first"))
+        assert resp.status == 502 and resp.headers["retry-after"] == "7"
+        assert stack.origin_requests() == 2
     finally:
         await stack.close()
 
