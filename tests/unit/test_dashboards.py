@@ -44,6 +44,7 @@ MUST_READ = {
         "ponto_upstream_attempts_total",
         "ponto_origin_prompt_tokens_total",
         "ponto_origin_cached_prompt_tokens_total",
+        "ponto_origin_slowness",
     },
     "ponto-cache": {
         "ponto_cache_requests_total",
