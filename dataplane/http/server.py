@@ -260,7 +260,8 @@ class Proxy:
         m.bind_transcripts(lambda: transcripts.held, transcripts.dropped)
         m.bind_semantic(lambda: cache.semantic)
         m.bind_fleet(lambda: dict(holder.refused), lambda: holder.fleet_id, lambda: holder.refusing)
-        self.slow_watch = SlowWatch()
+        # On the board's clock, looked up at each read: tests replace it.
+        self.slow_watch = SlowWatch(lambda: self.loads.speeds.clock())  # noqa: PLW0108 - replaced
         m.bind_speeds(self.slow_origins, lambda: holder.routes.origins if holder.routes else ())
         m.bind(
             version=lambda: float(holder.routes.version) if holder.routes else 0.0,

@@ -100,6 +100,9 @@ REFRESH_S: Final = 0.5
 _ALPHA_GAP_S: Final = -DECAY_S * math.log(1.0 - ALPHA)
 # Groups whose factors are kept (a table's groups; more when tables change).
 MAX_GROUPS: Final = 256
+# An origin told slow is told recovered once not judged slow for this long
+# (SlowWatch): one that stays slow is judged not slow for seconds at a time.
+RECOVERED_AFTER_S: Final = 60.0
 
 # A group's cached answer: the group, the generation it was computed under,
 # its slow origins' factors (None: none), its typical stream time to a
@@ -323,28 +326,46 @@ class SlowWatch:
     """Which origins were judged slow at the last look, to tell each change
     once (a log line when an origin becomes slow and when it recovers), not
     at every request it is passed over for. One per proxy process, fed by a
-    periodic look at `SpeedBoard.judged`; single event loop."""
+    periodic look at `SpeedBoard.judged`; single event loop.
 
-    def __init__(self) -> None:
+    An origin is told recovered once it has not been judged slow for
+    RECOVERED_AFTER_S: one that stays slow is judged not slow for seconds at
+    a time (its mark decays once its keys have moved, and it is tried again
+    until that answer lands, every 15-20 s for a 25x replica), which told
+    "recovered" and "slow" again at each such try (review 455)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        # Told slow and not yet told recovered: name -> when last judged slow.
         self._slow: dict[str, float] = {}
         # The served table and SpeedBoard.mark at the last look `due` allowed.
         self._seen: tuple[object, int | None] = (None, None)
+        # Whether an origin told slow was not judged so at the last look.
+        self._clearing = False
 
     def due(self, table: object, mark: int | None) -> bool:
         """Whether a look may find a change: the served `table` (by identity)
-        or the board's `mark` is not what it was at the last look, or a
-        stream waits (None). An idle proxy's looks stop here: a look that
-        judged one group of three origins was some 22,600 instructions (under
-        callgrind), one stopped here some 2,900, each second."""
+        or the board's `mark` is not what it was at the last look, a stream
+        waits (None), or an origin told slow is not judged so now (its
+        recovery is told with time alone). An idle proxy's looks stop here:
+        a look that judged one group of three origins was some 22,600
+        instructions (under callgrind), one stopped here some 2,900, each
+        second."""
         seen, self._seen = self._seen, (table, mark)
-        return mark is None or seen[0] is not table or seen[1] != mark
+        return mark is None or seen[0] is not table or seen[1] != mark or self._clearing
 
     def changes(self, slow: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
-        """The origins slow in `slow` that were not at the last look (with
-        their factor), and those that were and are no longer, by name."""
+        """The origins slow in `slow` and not told slow (with their factor),
+        and those told slow that have not been judged so for
+        RECOVERED_AFTER_S, by name."""
+        now = self.clock()
         became = {name: f for name, f in sorted(slow.items()) if name not in self._slow}
-        recovered = sorted(name for name in self._slow if name not in slow)
-        self._slow = dict(slow)
+        for name in slow:
+            self._slow[name] = now
+        recovered = sorted(n for n, at in self._slow.items() if now - at >= RECOVERED_AFTER_S)
+        for name in recovered:
+            del self._slow[name]
+        self._clearing = len(self._slow) > len(slow)
         return became, recovered
 
 

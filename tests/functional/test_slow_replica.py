@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from dataplane.http.state import PIPELINE, SLOW_LOOK
-from dataplane.placement.speed import DECAY_S
+from dataplane.placement.speed import DECAY_S, RECOVERED_AFTER_S
 from ponto.originsim.app import SimConfig
 from tests.functional.test_pipeline import MODEL, Stack, start_stack
 
@@ -117,6 +117,10 @@ async def test_a_slowed_replica_loses_its_sessions_and_regains_them(
         third = [await ask(stack, s, 3) for s in on_o2]
         assert all(origin == "o2" and route == "affinity" for origin, route in third), third
         assert await slow_gauges(stack) == {"o1": 0.0, "o2": 0.0, "o3": 0.0}
+        look()  # told once it has not been judged slow for a while
+        assert not told(caplog, "origin o2 no longer judged slow")
+        moved[0] += RECOVERED_AFTER_S
+        look()
         look()
         assert len(told(caplog, "origin o2 no longer judged slow")) == 1
     finally:

@@ -18,6 +18,7 @@ from dataplane.placement.load import LoadBoard
 from dataplane.placement.picker import AFFINITY, LEAST_LOADED, Picker, ranked
 from dataplane.placement.speed import (
     DECAY_S,
+    RECOVERED_AFTER_S,
     REFRESH_S,
     SLOW_RATIO,
     SlowWatch,
@@ -88,14 +89,37 @@ def test_judged_gives_each_slow_origin_its_largest_factor_over_its_groups() -> N
 
 
 def test_a_slow_watch_tells_each_change_once() -> None:
-    watch = SlowWatch()
+    clock = Clock()
+    watch = SlowWatch(clock)
     assert watch.changes({}) == ({}, [])
     assert watch.changes({"b": 9.0}) == ({"b": 9.0}, [])
     assert watch.changes({"b": 12.0}) == ({}, [])  # still slow: nothing new
     assert watch.changes({"b": 10.0, "c": 8.0}) == ({"c": 8.0}, [])
+    clock.now += RECOVERED_AFTER_S
     assert watch.changes({"c": 8.0}) == ({}, ["b"])
+    clock.now += RECOVERED_AFTER_S
     assert watch.changes({}) == ({}, ["c"])
     assert watch.changes({}) == ({}, [])
+
+
+def test_a_replica_that_stays_slow_is_not_told_recovered_each_time_it_is_tried_again() -> None:
+    """Review 455: a slow replica's mark decays once its keys moved, and it is
+    judged not slow until the answer it is tried with again lands (seconds,
+    every 15-20 s): each such gap told "no longer judged slow", then "judged
+    slow" again. Recovered is told once it has not been judged slow for
+    RECOVERED_AFTER_S; a look is due meanwhile, idle or not."""
+    clock = Clock()
+    watch, table = SlowWatch(clock), object()
+    assert watch.due(table, 1) and watch.changes({"b": 25.0}) == ({"b": 25.0}, [])
+    for _ in range(5):  # 13 s slow, 5 s not: a minute and a half of it
+        clock.now += 13.0
+        assert watch.changes({"b": 9.0}) == ({}, [])
+        clock.now += 5.0
+        assert watch.changes({}) == ({}, [])
+    assert watch.due(table, 1)  # no sample since: b's recovery is told on time alone
+    clock.now += RECOVERED_AFTER_S - 5.0
+    assert watch.changes({}) == ({}, ["b"])
+    assert not watch.due(table, 1)
 
 
 def test_a_slow_watch_looks_again_only_when_what_it_judges_may_have_changed() -> None:
