@@ -921,7 +921,9 @@ class Pipeline:
         except BaseException:
             # Its client left (or the proxy stopped) while the comments
             # ended: nothing else holds the answer the forward opened, whose
-            # connection and the tenant's place at its origin it keeps.
+            # connection and the tenant's place at its origin it keeps. The
+            # call ends here, counted as one the relay's client left is.
+            self.metrics.attempt(origin.target.name, "cancelled").inc()
             origin.release()
             raise
         return origin

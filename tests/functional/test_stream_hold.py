@@ -421,3 +421,6 @@ async def test_a_client_leaving_as_the_comments_end_lets_its_origins_answer_go(
         while registry.get_sample_value("ponto_requests_total", gone) != 1:
             await asyncio.sleep(0.01)
     assert loads.outstanding("o0") == 0
+    # Its call is counted as ended so, as a relay's is when its client leaves.
+    cancelled = {"origin": "o0", "outcome": "cancelled"}
+    assert registry.get_sample_value("ponto_upstream_attempts_total", cancelled) == 1
