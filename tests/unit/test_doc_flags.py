@@ -239,3 +239,29 @@ def test_the_proxys_flags_page_names_every_flag_it_takes() -> None:
         if flag.startswith("--") and flag != "--help"
     }
     assert shown - named == set()
+
+
+# A row of docs/proxy-flags.md's tables: its flags, and the default it states.
+FLAGS_ROW = re.compile(r"^\| (`--.*?`) \| (.*?) \| ", re.MULTILINE)
+
+
+def test_the_proxys_flags_page_shows_the_defaults() -> None:
+    """Each default docs/proxy-flags.md states as a value (a number, a word,
+    "none") is the parser's; one said in words ("the cores it may use") is
+    not read. The page replaced the README's Commands cell, whose defaults
+    test_the_readmes_commands_table_shows_the_defaults kept true."""
+    page = (ROOT / "docs" / "proxy-flags.md").read_text(encoding="utf-8")
+    defaults = _defaults(PARSERS["ponto-proxy"])
+    checked: list[tuple[str, object, object]] = []
+    for flags, stated in FLAGS_ROW.findall(page):
+        value = re.sub(r" \(.*\)$", "", stated)  # "8388608 (8 MiB)"
+        for flag in re.findall(r"`(--[a-z0-9-]+)", flags):
+            default = defaults[flag]
+            if re.fullmatch(r"[0-9][0-9.]*", value):
+                checked.append((flag, _number(value), default))
+            elif value == "none":
+                checked.append((flag, None, default or None))
+            elif re.fullmatch(r"[A-Za-z0-9.:_-]+", value):
+                checked.append((flag, value, default))
+    assert len(checked) > 40  # the reader reads the tables
+    assert [(flag, value, default) for flag, value, default in checked if value != default] == []
