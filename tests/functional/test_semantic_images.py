@@ -59,3 +59,27 @@ async def test_texts_moved_among_the_images_reach_the_origin(stack: Stack) -> No
     near = await ask(stack, bob, a, alice, b, text("Who is taller? please"))
     assert near["x-ponto-cache"] == "hit" and "x-ponto-cache-similarity" in near
     assert stack.origin_requests() == 4
+
+
+async def test_a_part_the_proxy_does_not_read_is_matched_whole(stack: Stack) -> None:
+    # Parts passed on unread (any type, vLLM's string and uuid parts) carry
+    # no text the semantic layer matches; beside the same question, one that
+    # differs is another request, never a hit for the first.
+    question = text("What is written in this document?")
+    others: list[Any] = [
+        {"type": "x-doc", "doc": "A"},
+        {"type": "x-doc", "doc": "B"},
+        {"type": "x-doc", "doc": ["A"]},
+        {"type": "thinking", "thinking": "A"},
+        {"type": "thinking", "thinking": "B"},
+        {"image_url": None, "uuid": "doc-a"},
+        {"image_url": None, "uuid": "doc-b"},
+        "Page one.",
+        "Page two.",
+    ]
+    for n, other in enumerate(others, 1):
+        headers = await ask(stack, question, other)
+        assert headers["x-ponto-cache"] == "miss" and "x-ponto-cache-similarity" not in headers
+        assert stack.origin_requests() == n
+    again = await ask(stack, question, others[0])
+    assert again["x-ponto-cache"] == "hit"
