@@ -217,12 +217,17 @@ def _head(parts: list[str], chars: int) -> str:
 def _content_text(content: object) -> str:
     """A message's content as the text its key hashes: the text parts, and
     for each image, audio clip or file a token naming it by a hash of its URL,
-    data or file id (trial 44: an image-only first turn had no text, and every
-    such conversation of a tenant was one session on one replica)."""
+    data, file id or vLLM's uuid (trial 44: an image-only first turn had no text, and every
+    such conversation of a tenant was one session on one replica). A string
+    part is a text, as vLLM reads it."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(_part_text(part) for part in content if isinstance(part, dict))
+        return "\n".join(
+            part if isinstance(part, str) else _part_text(part)
+            for part in content
+            if isinstance(part, (str, dict))
+        )
     return ""
 
 
@@ -230,7 +235,17 @@ def _part_text(part: dict[str, Any]) -> str:
     kind = part.get("type")
     if kind in _TEXT_PARTS:
         return str(part.get("text", ""))
-    value = part.get(kind) if isinstance(kind, str) else None
+    uuid = part.get("uuid")
+    if isinstance(uuid, str) and uuid:
+        # vLLM's part naming media it holds: the uuid is that media's name
+        # (its value may be null), as a URL or data is another's.
+        value: Any = uuid
+    else:
+        if kind is None:
+            # vLLM's untyped part carries one medium, under that medium's key
+            # (`{"image_url": {...}}`), which names it as a type would.
+            kind = next((k for k in part if k not in ("type", "uuid")), None)
+        value = part.get(kind) if isinstance(kind, str) else None
     if isinstance(value, dict):  # chat: image_url {url}, input_audio {data}, file {...}
         value = next((value[f] for f in _MEDIA_FIELDS if isinstance(value.get(f), str)), None)
     elif value is None:  # Responses: input_image {image_url | file_id}, input_file {...}

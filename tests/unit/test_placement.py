@@ -118,6 +118,26 @@ def test_image_only_first_turns_are_sessions_of_their_own() -> None:
     assert responses[0].value != responses[1].value
 
 
+def test_first_turns_of_vllms_part_forms_are_sessions_of_their_own() -> None:
+    """vLLM's string parts, untyped media parts and parts naming held media
+    by uuid had no text nor media the key read: every conversation that
+    began with one was one session of its tenant, on one replica."""
+
+    def first(part: object) -> Key:
+        return key_of({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+
+    forms: list[list[object]] = [
+        ["What is 2 + 2?", "Name a bird."],
+        [{"image_url": {"url": f"https://example.com/{i}.png"}} for i in "ab"],
+        [{"audio_url": {"url": f"https://example.com/{i}.wav"}} for i in "ab"],
+        [{"type": "image_url", "image_url": None, "uuid": i} for i in "ab"],
+        [{"image_url": None, "uuid": i} for i in "ab"],
+    ]
+    for one, other in forms:
+        assert first(one).value != first(other).value, one
+        assert first(one) == first(one)  # a session still sticks
+
+
 def test_a_session_header_sent_twice_is_the_header_merged() -> None:
     """Trial 44: the first of two lines was taken, and a proxy on the way that
     merged them into one ("a, b", as HTTP allows) placed the request elsewhere."""
