@@ -674,7 +674,7 @@ CHAT_PART = typed(
     # (its canonical JSON: another part is another entry), the semantic
     # layer takes it for no text (it stays in the namespace, so a hit needs
     # the same part), and the estimate counts a `thinking` part's text and
-    # nothing of a type it does not know (settled after the call).
+    # the strings of a type it does not know as text (settled after the call).
     closed=False,
 )
 # vLLM's parts without a `type`, told by the media they carry (chat_utils'

@@ -87,8 +87,9 @@ def _part_tokens(part: dict[str, Any]) -> int:
     may name a `file_id` instead), audio (`input_audio`; vLLM's `audio_url`),
     a video (vLLM's `video_url`: one image, as its count depends on how many
     frames the model samples, which the proxy does not know), or a file
-    (chat's `file`, a Responses `input_file`); 0 for any other, such as a
-    type the proxy does not know (passed on unread: fields.CHAT_PART). vLLM's
+    (chat's `file`, a Responses `input_file`); 0 for vLLM's precomputed
+    embeddings; for any other part (a refusal, a type the proxy does not
+    know, passed on unread: fields.CHAT_PART), its strings as text. vLLM's
     untyped parts, and its parts naming held media by `uuid`, are of the
     kind of the media they carry (whose value is null when vLLM holds it)."""
     kind = part.get("type")
@@ -114,7 +115,39 @@ def _part_tokens(part: dict[str, Any]) -> int:
         return _vllm_audio_tokens(_url(part.get("audio_url")))
     if kind == "video_url":
         return IMAGE_DEFAULT if _url(part.get("video_url")) else 0
-    return 0
+    # Embeddings by their type, or untyped by the key holding them (a `type`
+    # that is not a string, unhashable maybe, names no kind).
+    embeds = kind in _EMBEDS if isinstance(kind, str) else not _EMBEDS.isdisjoint(part)
+    if embeds:
+        return 0
+    # A type the proxy does not know, passed on unread, is charged its
+    # strings as text: whatever of it the origin puts into the prompt, at
+    # most that (review 454: a 5 MB string in an unknown part was estimated
+    # at 7 tokens, and a tokens-per-minute limit let any size in, settled
+    # only after the call).
+    return (_string_chars(part, skip="type") + 3) >> 2  # as estimate_text_tokens
+
+
+# vLLM's precomputed embeddings: tensors, not text, whose tokens the bytes do
+# not tell (charging their base64 as text would refuse a legitimate one as
+# over a whole limit); settled by the origin's count after the call.
+_EMBEDS: Final = frozenset(("image_embeds", "audio_embeds", "prompt_embeds"))
+
+
+def _string_chars(value: Any, *, skip: str = "") -> int:
+    """Characters of every string inside `value` (a parsed JSON value), the
+    top object's `skip` key's value aside."""
+    chars = 0
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            stack.extend(v for k, v in item.items() if not (item is value and k == skip))
+        elif isinstance(item, list):
+            stack.extend(item)
+    return chars
 
 
 # The media an untyped vLLM part may carry that the estimate charges.

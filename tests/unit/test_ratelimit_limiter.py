@@ -757,9 +757,20 @@ def test_vllm_thinking_untyped_and_held_media_parts_are_charged() -> None:
     assert _one_part("chat.completions", {"uuid": "img-1", "image_url": None}) == 765
     held = {"type": "video_url", "video_url": None, "uuid": "v-1"}
     assert _one_part("chat.completions", held) == 765
-    # A type the proxy does not know counts nothing, whatever it holds.
+    # A type the proxy does not know is charged its strings as text, its
+    # type's name aside (review 454: 5 MB of one was 7 tokens, under any
+    # tokens-per-minute limit); none, none.
     for odd in ({"type": "x-origin", "x-origin": [1, {}]}, {"type": None}, {"type": [1]}):
         assert _one_part("chat.completions", odd) == 0
+    doc = {"type": "x-doc", "data": "a" * 5_000, "meta": [{"title": "b" * 8}, 3]}
+    assert _one_part("chat.completions", doc) == 1_252
+    assert _one_part("chat.completions", {"type": "refusal", "refusal": "n" * 40}) == 10
+    # vLLM's precomputed embeddings are not text: the origin's count settles them.
+    for embeds in (
+        {"type": "image_embeds", "image_embeds": "QUJD" * 1_000},
+        {"prompt_embeds": "QUJD"},
+    ):
+        assert _one_part("chat.completions", embeds) == 0
 
 
 def test_a_file_is_charged_an_image_per_64_kib_and_at_least_one_image() -> None:
