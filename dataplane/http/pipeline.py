@@ -1193,7 +1193,7 @@ class Pipeline:
         # embeddings held it over a second.
         read = jsonio.NOT_PARSED
         if not parsed and origin.status < 400 and len(body) > OFF_LOOP_ABOVE:
-            read = await self.off_loop.run(jsonio.loads_or_none, body)
+            read = await self._read_sent(body)
         entry = self._answered(ex, origin, plan, body, obj, parsed, entry, read)
         if entry is None:
             self.cache.finish_flight(plan, None)
@@ -1211,6 +1211,26 @@ class Pipeline:
         """`respond`'s end for a sent answer whose entry is kept."""
         await self.cache.settle_body(creq, plan, entry)
         return response
+
+    async def _read_sent(self, body: bytes) -> Any:
+        """`body`, an answer its client was sent whole, parsed off the loop
+        (dataplane.offload). A cancellation meanwhile (the client left once
+        it had the answer, as curl does at its end) waits for the parse and
+        is undone: the answer was delivered, so it is charged what it says
+        and kept as any other (a 200, not a 499), as `_lead` does for a
+        stream delivered before its cancellation. The parse is bounded (one
+        answer), so a stop waits no longer than the answer's write took."""
+        parse = asyncio.ensure_future(self.off_loop.run(jsonio.loads_or_none, body))
+        try:
+            return await asyncio.shield(parse)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is None or not current.cancelling():
+                raise
+            # A second cancellation (a stop past its wait) ends it at once.
+            await asyncio.wait((parse,))
+            current.uncancel()
+            return parse.result()
 
     def _answered(
         self,

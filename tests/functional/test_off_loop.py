@@ -278,3 +278,64 @@ async def test_a_large_answer_is_parsed_off_the_loop_and_charged_as_on_it(
     assert answered_off[2:] == [2 * usage["prompt_tokens"], None, 2]
     assert on == [threading.main_thread().name] * 2
     assert [thread.split("_")[0] for thread in off] == ["ponto-offloop"] * 2
+
+
+async def test_a_client_that_leaves_once_it_has_a_large_answer_is_charged_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It has the answer whole when it leaves (as curl does at its end),
+    while the answer is parsed off the loop: a 200, charged what the answer
+    says (not its estimate, as a 499 is)."""
+    entered, release = threading.Event(), threading.Event()
+    loads = jsonio.loads_or_none
+
+    def held(data: bytes | str) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(10)
+        return loads(data)
+
+    monkeypatch.setattr(jsonio, "loads_or_none", held)
+    origin = web.AppRunner(sim_app(ORIGIN))
+    await origin.setup()
+    site = web.TCPSite(origin, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    served = await serve_on_edge(tmp_path, f"http://127.0.0.1:{port}/v1", "--metrics-key-labels=on")
+    body = {"model": "sim-small", "input": [f"sentence {i} of the batch" for i in range(9000)]}
+    raw = jsonio.dumps(body)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY.key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        await writer.drain()
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        usage = jsonio.loads(await reader.readexactly(length))["usage"]
+        assert await asyncio.to_thread(entered.wait, 10)
+        registry = served.app[METRICS].registry
+
+        def counted(code: str) -> float | None:
+            labels = {"endpoint": "embeddings", "code": code}
+            return registry.get_sample_value("ponto_requests_total", labels)
+
+        writer.close()  # it has the whole answer, and leaves
+        # Its handler is cancelled while the parse is held (or, cut by it,
+        # ended as a 499).
+        await until(
+            lambda: bool(counted("499")) or any(task.cancelling() for task in asyncio.all_tasks())
+        )
+        release.set()
+        await until(lambda: bool(counted("200") or counted("499")))
+        assert (counted("200"), counted("499")) == (1, None)
+        prompt = {"tenant": "acme", "key": KEY.key_id, "kind": "prompt"}
+        charged = registry.get_sample_value("ponto_tenant_tokens_total", prompt)
+        assert charged == usage["prompt_tokens"]
+    finally:
+        release.set()
+        await served.runner.cleanup()
+        await origin.cleanup()
