@@ -964,9 +964,15 @@ class Pipeline:
         else:
             home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
             key: object = UNMADE
-            if len(ex.raw) > OFF_LOOP_ABOVE:
+            if (
+                len(ex.raw) > OFF_LOOP_ABOVE
+                and ex.tenant is not None
+                and ex.tenant.routing.mode_for(ex.endpoint.name, ex.model) == AFFINITY
+            ):
                 # Its placement key reads a chat request's tools whole (their
-                # repr: 0.15 s of 10,000 tools, on the loop).
+                # repr: 0.15 s of 10,000 tools, on the loop). Made only when
+                # it places: a large batch of embeddings (least loaded) does
+                # not queue on the thread behind another body's steps for it.
                 key = await self.off_loop.run(self.placement_key_of, ex)
             candidates = ex.candidates = self.place(
                 ex, home, forwarder.candidate_limit(), point, key

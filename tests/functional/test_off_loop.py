@@ -339,3 +339,30 @@ async def test_a_client_that_leaves_once_it_has_a_large_answer_is_charged_it(
         release.set()
         await served.runner.cleanup()
         await origin.cleanup()
+
+
+async def test_a_large_request_placed_by_load_makes_no_placement_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of embeddings is placed on the least loaded origin: it does
+    not wait on the thread for a key that nothing reads."""
+    made: list[str] = []
+    place = Pipeline.placement_key_of
+
+    def recorded(self: Pipeline, ex: pipeline.Exchange) -> Any:
+        made.append(ex.endpoint.name)
+        return place(self, ex)
+
+    monkeypatch.setattr(Pipeline, "placement_key_of", recorded)
+    stack = await start_stack(tmp_path, [ORIGIN])
+    headers = {"authorization": f"Bearer {KEY.key}"}
+    try:
+        batch = {"model": "sim-small", "input": [f"sentence {i}" for i in range(12_000)]}
+        assert len(jsonio.dumps(batch)) > OFF_LOOP_ABOVE
+        resp = await stack.client.post("/v1/embeddings", json=batch, headers=headers)
+        assert resp.status == 200, await resp.text()
+        resp = await stack.client.post("/v1/chat/completions", json=large(), headers=headers)
+        assert resp.status == 200, await resp.text()
+    finally:
+        await stack.close()
+    assert made == ["chat.completions"]
