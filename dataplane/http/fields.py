@@ -147,7 +147,7 @@ def check_depth(raw: bytes, body: object, brackets: int | None = None) -> None:
     # bytes that it replaced (a 5.4 MB body of 10,000 tools: 78 against
     # 243 ms), and a Python step at a time where the scan was a few C calls
     # that held the GIL (and the event loop) for up to 0.2 s each, in the
-    # thread that parses a large body too (dataplane.http.offload).
+    # thread that parses a large body too (dataplane.offload).
     level: list[Any] = [body]
     for _ in range(MAX_DEPTH):
         level = [
