@@ -29,6 +29,7 @@ from ponto.originsim.app import SimConfig
 from ponto.originsim.app import build_app as sim_app
 from tests.functional.edgestack import serve_on_edge
 from tests.functional.test_pipeline import KEY, chat, start_stack
+from tests.functional.test_semantic_tools import semantic_stack
 from tests.functional.test_whole_answers import until
 
 ORIGIN = SimConfig(name="o1", answer_tokens=6, seed=1)
@@ -366,3 +367,38 @@ async def test_a_large_request_placed_by_load_makes_no_placement_key(
     finally:
         await stack.close()
     assert made == ["chat.completions"]
+
+
+async def test_a_large_request_is_matched_by_meaning_in_its_namespace_made_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its semantic namespace (`_context`) is made on the thread with its
+    key: a near question after the same long conversation is a semantic
+    hit, and one after another conversation is not."""
+    threads: list[str] = []
+    context = EdgeCache._context
+
+    def recorded(self: EdgeCache, req: CacheRequest) -> str:
+        threads.append(threading.current_thread().name.split("_")[0])
+        return context(self, req)
+
+    monkeypatch.setattr(EdgeCache, "_context", recorded)
+    async with semantic_stack(tmp_path) as stack:
+
+        async def ask(text: str, turns: int) -> dict[str, str]:
+            body = chat(text)
+            body["messages"][:0] = history(turns)
+            assert len(jsonio.dumps(body)) > OFF_LOOP_ABOVE
+            resp = await stack.post(body)
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            await stack.app[PIPELINE].cache.background_done()  # indexed after the answer
+            return dict(resp.headers)
+
+        first = await ask("what is the status of my latest order", 400)
+        near = await ask("what is the status of my latest order please", 400)
+        other = await ask("what is the status of my latest order please", 401)
+    assert first["x-ponto-cache"] == "miss"
+    assert near["x-ponto-cache"] == "hit" and "x-ponto-cache-similarity" in near
+    assert other["x-ponto-cache"] == "miss"
+    assert threads == ["ponto-offloop"] * 3
