@@ -448,7 +448,15 @@ class EdgeCache:
                 else:
                     key = keyed[0]
             elif req.size > OFF_LOOP_ABOVE:
-                return self._plan_off_loop(req, decision.semantic)
+                # Its namespace only when it is matched by meaning: a last
+                # user message without text, or past the embedder's window,
+                # is not, and the namespace is a walk of the whole body more.
+                semantic = (
+                    decision.semantic
+                    and self.semantic is not None
+                    and bool(last_user_text(req.body["messages"], self.semantic.may_fit))
+                )
+                return self._plan_off_loop(req, semantic)
             else:
                 try:
                     key = self._key(req)

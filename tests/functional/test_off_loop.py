@@ -402,3 +402,30 @@ async def test_a_large_request_is_matched_by_meaning_in_its_namespace_made_off_t
     assert near["x-ponto-cache"] == "hit" and "x-ponto-cache-similarity" in near
     assert other["x-ponto-cache"] == "miss"
     assert threads == ["ponto-offloop"] * 3
+
+
+async def test_a_large_request_without_text_to_match_makes_no_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A semantic tenant's large request whose last user message holds no
+    text is matched exactly only: its namespace, a second walk of the whole
+    body, is not made."""
+    made: list[str] = []
+    context = EdgeCache._context
+
+    def recorded(self: EdgeCache, req: CacheRequest) -> str:
+        made.append(threading.current_thread().name)
+        return context(self, req)
+
+    monkeypatch.setattr(EdgeCache, "_context", recorded)
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    body = large()
+    body["messages"][-1]["content"] = [image]
+    async with semantic_stack(tmp_path) as stack:
+        for outcome in ("miss", "hit"):
+            resp = await stack.post(body)
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            assert resp.headers["x-ponto-cache"] == outcome
+            await stack.app[PIPELINE].cache.background_done()
+    assert made == []
