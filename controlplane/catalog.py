@@ -104,6 +104,7 @@ from controlplane.store import (
     OutcomeUnknown as StoreOutcomeUnknown,
 )
 from ponto.apikeys import issue_key, key_expired
+from ponto.logs import ThrottledBy
 from ponto.quota_types import utc_day
 from ponto.routetable import OPEN_TENANT
 from ponto.times import utc
@@ -229,6 +230,28 @@ class Catalog:
         self.replica_beats = ReplicaBeats(monotonic)
         # API keys as the last snapshot decoded them (decode_state).
         self._keys: DecodedKeys = {}
+        # The writes of `_rewritten` not confirmed, told once a minute each.
+        self._unconfirmed = ThrottledBy(log, clock=monotonic)
+
+    async def _rewritten(self, aw: Awaitable[T], what: str) -> T:
+        """`_guard` for a write this replica makes again each round (origins'
+        health, its ACK summary, its proxies' traffic), `what` it writes. Its
+        outcome unknown is said as such, once a minute, not as a change that
+        may have been made: the next round writes it again, and no operator
+        made one (trial 101: twelve such warnings in an outage of 36 s)."""
+        try:
+            return await aw
+        except StoreOutcomeUnknown as exc:
+            self._unconfirmed.log(
+                what,
+                logging.WARNING,
+                "etcd did not confirm a write of %s (%s); the next round writes it again",
+                what,
+                exc,
+            )
+            raise OutcomeUnknown(str(exc)) from exc
+        except StoreUnavailable as exc:
+            raise Unavailable(f"state store unavailable: {exc}") from exc
 
     # ------------------------------------------------------------ snapshot
 
@@ -354,16 +377,19 @@ class Catalog:
         """As put_health, for several origins in as few transactions as etcd
         takes (_commit_batched): one table is rebuilt for them, not one each."""
         writes = [Write(HEALTH + h.origin, encode(h)) for h in healths]
-        await self._commit_batched(writes, fence)
+        await self._commit_batched(writes, fence, "origins' health")
 
     async def delete_healths(self, origins: Iterable[str], *, fence: Fence | None = None) -> None:
         """Delete the health records of `origins` (leader-only, batched as
         put_healths): records whose origin is gone. A probe round that read
         an origin just before it was deleted writes its health after
         delete_origin dropped it, and nothing else deletes that record."""
-        await self._commit_batched([Write(HEALTH + name, None) for name in origins], fence)
+        writes = [Write(HEALTH + name, None) for name in origins]
+        await self._commit_batched(writes, fence, "origins' health")
 
-    async def _commit_batched(self, writes: Sequence[Write], fence: Fence | None) -> None:
+    async def _commit_batched(
+        self, writes: Sequence[Write], fence: Fence | None, what: str
+    ) -> None:
         """Commit `writes` in as few transactions as etcd takes (MAX_TXN_OPS
         less the fence, within txn_size's bound), each checking `fence` when
         one is given. A
@@ -372,7 +398,7 @@ class Catalog:
         checks = [fence] if fence is not None else []
         step = MAX_TXN_OPS - len(checks)
         for i in range(0, len(writes), step):
-            await _guard(self.store.commit(writes[i : i + step], checks))
+            await self._rewritten(self.store.commit(writes[i : i + step], checks), what)
 
     # ------------------------------------------------------------ regions
 
@@ -1320,7 +1346,8 @@ class Catalog:
             payload["replica_etag"] = etag
         if warnings:
             payload["warnings"] = _shared_warnings(warnings)
-        await _guard(self.store.put(ACKS + replica, orjson.dumps(payload), lease=lease))
+        value = orjson.dumps(payload)
+        await self._rewritten(self.store.put(ACKS + replica, value, lease=lease), "the ACK summary")
 
     async def put_traffic(self, replica: str, traffic: dict[str, Traffic], lease: int) -> None:
         """Write a replica's proxies' last traffic reports, a key of their own
@@ -1333,7 +1360,9 @@ class Catalog:
             value = orjson.dumps(_without_failures(traffic))
         if len(value) > TRAFFIC_BYTES:
             value = orjson.dumps({name: (*t[:6], {}) for name, t in traffic.items()})
-        await _guard(self.store.put(TRAFFIC + replica, value, lease=lease))
+        await self._rewritten(
+            self.store.put(TRAFFIC + replica, value, lease=lease), "proxies' traffic"
+        )
 
     async def list_proxies(self, *, traffic: bool = True) -> list[ProxyRecord]:
         """Registered proxies with the ACK state their own replica last wrote,

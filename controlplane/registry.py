@@ -407,7 +407,8 @@ class ProxyRegistry:
             self._unstreamed.pop(record.session_id, None)  # nothing was written
             self._lease_suspect.set()
             raise Unavailable(
-                "this control plane's lease expired (it stalled); it is renewing it, try again"
+                "this control plane's lease in etcd expired (the replica stalled, or etcd did "
+                "not answer its keepalives); it is renewing it, try again"
             ) from None
         if await self._departed(record):
             # Its process deregistered while this call was under way (it

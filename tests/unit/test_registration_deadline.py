@@ -785,7 +785,7 @@ async def test_a_register_under_a_lease_that_expired_is_unavailable_and_renews_i
     held = await registry.register("p-held", "eu", "127.0.0.1:1", "1")
     stale = await registry.lease()
     await catalog.store.revoke_lease(stale)  # the stall: the lease lapsed
-    with pytest.raises(Unavailable, match="lease expired"):
+    with pytest.raises(Unavailable, match="lease in etcd expired"):
         await registry.register("p-new", "eu", "127.0.0.1:2", "1")
     assert set(registry._unstreamed) == {held.session_id}  # p-new left nothing
     keeping = asyncio.create_task(registry.keepalive())  # its beat: 20 s
