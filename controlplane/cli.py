@@ -253,7 +253,12 @@ def _read_and_write(attempt: Callable[[], R]) -> R:
     raise AssertionError("unreachable: the last try returns or raises")
 
 
-def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[str]]]:
+def _rows_origins(
+    resp: apb.ListOriginsResponse, health_chars: int | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """`get origins`' table; each HEALTHY cell cut at `health_chars`
+    (HEALTH_CHARS when None; 0: whole, `--wide`)."""
+    most = HEALTH_CHARS if health_chars is None else health_chars
     header = [
         "NAME",
         "REGION",
@@ -289,8 +294,9 @@ def _rows_origins(resp: apb.ListOriginsResponse) -> tuple[list[str], list[list[s
             str(o.weight),
             "yes" if o.drained else "no",
             # Cut: one origin's long detail (a probe's fix, an ejection)
-            # widened every row past the screen (review); -o yaml has it whole.
-            _cut(_health(o, ejected.get(o.name, "")), HEALTH_CHARS),
+            # widened every row past the screen (review); --wide has it whole
+            # (trial 101: -o yaml is the apply file, which has no health).
+            _cut(_health(o, ejected.get(o.name, "")), most),
             o.server_kind or "-",
             _inflight(o),
             _continuation(o),
@@ -1079,6 +1085,12 @@ def _parser() -> argparse.ArgumentParser:
         default="table",
         help="format (yaml and json of regions, origins and tenants: an apply file)",
     )
+    get.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"origins: each HEALTHY cell whole (probe details, ejections), not cut at "
+        f"{HEALTH_CHARS} characters",
+    )
     audit = get.add_argument_group("audit", "filters of `get audit` (the newest entries first)")
     audit.add_argument(
         "--limit", type=_count(1000, low=1), default=None, help="most entries shown (default 100)"
@@ -1555,7 +1567,8 @@ HEALTH_CHARS = 100
 
 
 def _cut(text: str, most: int) -> str:
-    return text if len(text) <= most else text[: most - 1] + "…"
+    """`text` of at most `most` characters (0: any), an ellipsis for the rest."""
+    return text if not most or len(text) <= most else text[: most - 1] + "…"
 
 
 def _audit_times(data: dict[str, Any]) -> dict[str, Any]:
@@ -2470,6 +2483,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return render(stub.ListAudit(audit), args.output, _rows_audit, _audit_times)
         if any(f is not None for f in filters):
             raise UsageError("--limit, --since, --action and --actor are filters of `get audit`")
+        if args.wide and args.kind != "origins":
+            raise UsageError("--wide is of `get origins`")
         if args.kind in ("regions", "origins", "tenants") and args.output != "table":
             # The apply file's representation, so the output is valid `apply -f` input.
             return _dump({args.kind: _export(stub)[args.kind]}, args.output)
@@ -2481,7 +2496,8 @@ def run(args: argparse.Namespace, stub: Any) -> str:
             return "\n".join([shown, *_region_notes(regions.regions, origins)])
         if args.kind == "origins":
             listed = stub.ListOrigins(req)
-            shown = render(listed, args.output, _rows_origins)
+            cut = 0 if args.wide else HEALTH_CHARS
+            shown = render(listed, args.output, lambda r: _rows_origins(r, cut))
             return "\n".join([shown, *_origin_notes(listed.origins)])
         if args.kind == "tenants":
             tenants = stub.ListTenants(req)

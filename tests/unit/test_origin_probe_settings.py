@@ -300,12 +300,17 @@ def test_get_origins_says_not_probed_and_shows_each_probe() -> None:
     assert _health(keyed, "") == "yes (probe answered 401 at /health: up)"
     assert _health(origin_pb(HOSTED), "ejected by p1") == "not probed; ejected by p1"
     # A long detail is cut in the table (review: one Ollama's 404 and its fix
-    # widened every row to 393 columns); -o yaml has it whole.
+    # widened every row to 393 columns); `--wide` has it whole (trial 101:
+    # -o yaml is the apply file, which has no health).
     long = pb.Origin(name="o", healthy=False, health_detail=verdict(404, "/health", False)[1])
     (row,) = _rows_origins(apb.ListOriginsResponse(origins=[long]))[1]
     assert len(row[header.index("HEALTHY")]) == HEALTH_CHARS and row[
         header.index("HEALTHY")
     ].endswith("…")
+    (whole,) = _rows_origins(apb.ListOriginsResponse(origins=[long]), 0)[1]
+    assert whole[header.index("HEALTHY")] == _health(long, "")
+    assert len(_health(long, "")) > HEALTH_CHARS
+    assert _parser().parse_args(["get", "origins", "--wide"]).wide
 
 
 def test_the_status_page_row_says_whether_the_origin_is_probed() -> None:
