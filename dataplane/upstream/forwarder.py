@@ -798,7 +798,7 @@ class Forwarder:
         # the calls to origins that may be coming back, and the 502's wait.
         # The first whose ejection ends is tried first again (docs/routing.md,
         # "When every origin fails").
-        if candidates and outliers.ejected(candidates[0].name) and outliers.all_ejected(candidates):
+        if outliers.all_ejected(candidates):
             attempts = 1
         ordered = list(
             attempt_order(candidates, attempts, outliers.passed_over, hedged=hedge is not None)

@@ -167,9 +167,13 @@ class OutlierDetector:
         ]
 
     def all_ejected(self, candidates: Sequence[Target]) -> bool:
-        """Whether every one of `candidates` (at least one) is ejected now."""
-        now = self.clock()
+        """Whether every one of `candidates` (at least one) is ejected now.
+        Asked of every request: with no origin ejected (the usual), no
+        clock is read."""
         states = self._states
+        if not states:
+            return False
+        now = self.clock()
         for target in candidates:
             state = states.get(target.name)
             if state is None or state.until <= now:
