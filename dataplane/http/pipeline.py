@@ -417,9 +417,6 @@ class SlotWait:
 
 SLOT_WAIT: Final = SlotWait()
 
-# A placement key not made yet (None is a key of nothing to stick to).
-UNMADE: Final = object()
-
 
 def _relayed_or_let_go(
     task: asyncio.Task[web.StreamResponse], lead: reply.LeaderStream
@@ -963,19 +960,22 @@ class Pipeline:
             ex.route = "pinned"
         else:
             home, point = self.locator.place(ex.routes, ex.remote, ex.headers)
-            key: object = UNMADE
-            if (
-                len(ex.raw) > OFF_LOOP_ABOVE
-                and ex.tenant is not None
-                and ex.tenant.routing.mode_for(ex.endpoint.name, ex.model) == AFFINITY
-            ):
-                # Its placement key reads a chat request's tools whole (their
-                # repr: 0.15 s of 10,000 tools, on the loop). Made only when
-                # it places: a large batch of embeddings (least loaded) does
-                # not queue on the thread behind another body's steps for it.
-                key = await self.off_loop.run(self.placement_key_of, ex)
+            assert ex.tenant is not None
+            mode = ex.tenant.routing.mode_for(ex.endpoint.name, ex.model)
+            key: Key | None = None
+            if mode == AFFINITY:
+                # A large body's key is made off the loop: it reads a chat
+                # request's tools whole (their repr: 0.15 s of 10,000 tools,
+                # on the loop). Made only when it places: a large batch of
+                # embeddings (least loaded) does not queue on the thread
+                # behind another body's steps for it.
+                if len(ex.raw) > OFF_LOOP_ABOVE:
+                    key = await self.off_loop.run(self.placement_key_of, ex)
+                else:
+                    key = self.placement_key_of(ex)
+                ex.placement = key
             candidates = ex.candidates = self.place(
-                ex, home, forwarder.candidate_limit(), point, key
+                ex, home, forwarder.candidate_limit(), point, mode, key
             )
         if not candidates:
             ex.usage = Usage(0, 0)  # no origin was called: the estimate back
@@ -1066,20 +1066,17 @@ class Pipeline:
         ex: Exchange,
         home: str,
         limit: int,
-        point: Point | None = None,
-        made: object = UNMADE,
+        point: Point | None,
+        mode: str,
+        key: Key | None,
     ) -> list[Target]:
         """The candidates in the order to try them; sets why the first was chosen.
-        `point`: where GeoIP placed the client (`Routes.groups_for`); `made`:
-        `placement_key_of(ex)` when the caller made it (UNMADE: not made)."""
+        `point`: where GeoIP placed the client (`Routes.groups_for`); `mode`:
+        the tenant's for the request, and `key` its placement key under
+        affinity (`placement_key_of`; None under another mode)."""
         assert ex.tenant is not None
         routes = ex.routes
         rules = ex.tenant.routing
-        mode = rules.mode_for(ex.endpoint.name, ex.model)
-        key = None
-        if mode == AFFINITY:
-            key = self.placement_key_of(ex) if made is UNMADE else cast(Key | None, made)
-            ex.placement = key
         groups = routes.groups_for(ex.model, home, point)
         candidates, ex.route = self.picker.order(
             groups,

@@ -511,10 +511,11 @@ def test_place_says_spill_failover_or_remote_when_the_home_region_is_passed_over
     ex = Exchange(ENDPOINTS["chat.completions"], headers, None, "id", routes, policy)
     ex.tenant, ex.model = policy.tenant("default"), "m"
     ex.body = chat(("user", "hi"))
-    pipeline = Pipeline.__new__(Pipeline)  # place() needs only the picker and the header
+    pipeline = Pipeline.__new__(Pipeline)  # placement needs only the picker and the header
     pipeline.picker, pipeline.session_header = Picker(LoadBoard()), "x-session-id"
     pipeline.forwarder = SimpleNamespace(outliers=OutlierDetector())  # type: ignore[assignment]
-    candidates = pipeline.place(ex, "near", 3)
+    key = pipeline.placement_key_of(ex)
+    candidates = pipeline.place(ex, "near", 3, None, AFFINITY, key)
     assert ex.route == reason
     assert candidates[0].region == region
 
