@@ -175,13 +175,20 @@ class CreatedKey(NamedTuple):
     revision: int
 
 
-async def _guard(aw: Awaitable[T]) -> T:
+async def _guard(
+    aw: Awaitable[T], unconfirmed: Callable[[StoreOutcomeUnknown], None] | None = None
+) -> T:
+    """`aw`, its store's failures raised as the catalog's; an unknown outcome
+    logged by `unconfirmed` when given (Catalog._rewritten), else as a change."""
     try:
         return await aw
     except StoreOutcomeUnknown as exc:
-        # Said here, once: the caller is told, but a change that may be
-        # applied later is the operator's to know of from the log too.
-        log.warning("a change may have been made though etcd did not confirm it: %s", exc)
+        if unconfirmed is not None:
+            unconfirmed(exc)
+        else:
+            # Said here, once: the caller is told, but a change that may be
+            # applied later is the operator's to know of from the log too.
+            log.warning("a change may have been made though etcd did not confirm it: %s", exc)
         raise OutcomeUnknown(str(exc)) from exc
     except StoreUnavailable as exc:
         raise Unavailable(f"state store unavailable: {exc}") from exc
@@ -233,15 +240,14 @@ class Catalog:
         # The writes of `_rewritten` not confirmed, told once a minute each.
         self._unconfirmed = ThrottledBy(log, clock=monotonic)
 
-    async def _rewritten(self, aw: Awaitable[T], what: str) -> T:
+    def _rewritten(self, aw: Awaitable[T], what: str) -> Awaitable[T]:
         """`_guard` for a write this replica makes again each round (origins'
         health, its ACK summary, its proxies' traffic), `what` it writes. Its
         outcome unknown is said as such, once a minute, not as a change that
         may have been made: the next round writes it again, and no operator
         made one (trial 101: twelve such warnings in an outage of 36 s)."""
-        try:
-            return await aw
-        except StoreOutcomeUnknown as exc:
+
+        def unconfirmed(exc: StoreOutcomeUnknown) -> None:
             self._unconfirmed.log(
                 what,
                 logging.WARNING,
@@ -249,9 +255,8 @@ class Catalog:
                 what,
                 exc,
             )
-            raise OutcomeUnknown(str(exc)) from exc
-        except StoreUnavailable as exc:
-            raise Unavailable(f"state store unavailable: {exc}") from exc
+
+        return _guard(aw, unconfirmed)
 
     # ------------------------------------------------------------ snapshot
 
