@@ -73,6 +73,7 @@ def test_a_refusal_that_says_why_is_not_said_twice(capsys: pytest.CaptureFixture
         (["get", "audit", "--limit", "1001"], "--limit: 1001 is not in 1..1000"),
         (["get", "audit", "--limit", "0"], "--limit: 0 is not in 1..1000"),
         (["get", "regions", "--since", "1h"], "are filters of `get audit`"),
+        (["get", "regions", "--wide"], "--wide is of `get origins`"),
         (["get", "audit", "--action", "setkeyexpiry"], "audited call; one of: AdoptFleet, Apply,"),
         (["tenant", "set", "acme"], "give a setting to change"),
         (["cache", "purge", "--all", "--model", "m"], "--all purges everything"),
